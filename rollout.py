@@ -1,0 +1,70 @@
+"""Sampling with Hugging Face `generate` and packing (prompt, completion) pairs into training tensors.
+
+Shared by training, evaluation and abstraction, so every path samples and scores text the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo import completion_mask
+
+
+@dataclass
+class Completion:
+    prompt_ids: torch.Tensor      # [P_i] prompt tokens, no padding
+    completion_ids: torch.Tensor  # [C_i] generated tokens up to and including the first EOS
+    truncated: bool               # no EOS within max_new_tokens
+    text: str                     # decoded completion, special tokens dropped
+
+
+@torch.no_grad()
+def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[int], max_new_tokens: int,
+                         temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                         batch_size: int = 64) -> list[Completion]:
+    """One completion per prompt (repeat a prompt G times for G samples), in batched generate calls of
+    `batch_size` prompts, left-padded. Sampling draws from torch's global RNG: seed it for reproducibility."""
+    was_training = model.training
+    model.eval()
+    results: list[Completion] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature,
+                                                        "top_p": top_p, "top_k": 0}
+        # top_k=0 and repetition_penalty=1 override generation_config defaults (top_k=50; Qwen-Instruct's
+        # 1.05 penalty) that would make the sampled distribution differ from the one we score and train.
+        out = model.generate(**enc, **sampling, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
+                             pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                             repetition_penalty=1.0)
+        generated = out[:, enc.input_ids.shape[1]:]
+        if generated.shape[1] == 0:
+            generated = torch.full((len(chunk), 1), tokenizer.pad_token_id, device=out.device)
+        mask, truncated = completion_mask(generated, eos_ids)
+        for row in range(len(chunk)):
+            prompt_ids = enc.input_ids[row][enc.attention_mask[row].bool()].cpu()
+            completion_ids = generated[row][mask[row].bool()].cpu()
+            results.append(Completion(prompt_ids, completion_ids, bool(truncated[row]),
+                                      tokenizer.decode(completion_ids, skip_special_tokens=True)))
+    model.train(was_training)
+    return results
+
+
+def pack(completions: list[Completion], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[left-padded prompt | right-padded completion] rows: input_ids, attention_mask [N, P+C] and
+    completion_mask [N, C]. Every completion starts at column P, which token_logprobs relies on."""
+    P = max(len(c.prompt_ids) for c in completions)
+    C = max(max(len(c.completion_ids) for c in completions), 1)
+    n = len(completions)
+    input_ids = torch.full((n, P + C), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, P + C), dtype=torch.long)
+    cmask = torch.zeros((n, C), dtype=torch.long)
+    for i, c in enumerate(completions):
+        p, k = len(c.prompt_ids), len(c.completion_ids)
+        input_ids[i, P - p:P] = c.prompt_ids
+        input_ids[i, P:P + k] = c.completion_ids
+        attention[i, P - p:P + k] = 1
+        cmask[i, :k] = 1
+    return input_ids.to(device), attention.to(device), cmask.to(device)
