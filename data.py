@@ -49,41 +49,41 @@ def _arith_problem(rng: random.Random, level: int) -> tuple[str, int]:
 
 
 
-def synthetic_arith(split: str, size: int, seed: int, levels: list[int]) -> list[dict]:
+def synthetic_arith(split: str, size: int, seed: int, levels: list[int], train_size: int = 2000) -> list[dict]:
     """`size` problems with levels drawn uniformly from `levels`, deterministic in (split, seed).
-    The test split never repeats a problem text of the train split of the same seed."""
+    Any other split never repeats a problem text of the `train_size` train problems of the same seed."""
     for level in levels:
         if not 1 <= level <= ARITH_LEVELS:
             raise SystemExit(f"--levels: synthetic:arith has levels 1-{ARITH_LEVELS}, got {level}")
     train_texts: set[str] = set()
     if split != "train":
-        train_texts = {row["problem"] for row in synthetic_arith("train", size, seed, levels)}
+        train_texts = {row["problem"] for row in synthetic_arith("train", train_size, seed, levels)}
     rng = random.Random(f"arith-{split}-{seed}")
     rows, seen = [], set(train_texts)
-    for _ in range(size * 50):
-        if len(rows) == size:
-            break
-        level = rng.choice(levels)
-        problem, answer = _arith_problem(rng, level)
-        if split != "train" and problem in seen:
-            continue  # held out means unseen: small levels have few distinct texts
+    while len(rows) < size:
+        level = rng.choice(levels)  # drawn first, so held-out splits keep the level mix of the train split
+        for _ in range(1000):
+            problem, answer = _arith_problem(rng, level)
+            if split == "train" or problem not in seen:  # held out means unseen
+                break
+        else:
+            raise SystemExit(f"synthetic:arith cannot make {size} unseen {split} problems at level {level}: "
+                             f"ask for fewer, or add harder levels (more distinct problems)")
         seen.add(problem)
         rows.append({"id": f"arith-{split}-{len(rows):05d}", "problem": problem, "answer": str(answer),
                      "level": level})
-    if len(rows) < size:
-        raise SystemExit(f"synthetic:arith cannot make {size} unseen {split} problems from levels {levels}; "
-                         f"ask for fewer or add harder levels")
     return rows
 
 
 def load_problems(spec: str, split: str, *, size: int = 0, seed: int = 0, levels: list[int] | None = None,
-                  id_field: str = "id", problem_field: str = "problem", answer_field: str = "answer") -> list[dict]:
+                  train_size: int = 2000, id_field: str = "id", problem_field: str = "problem", answer_field: str = "answer") -> list[dict]:
     """Problems from `spec`: 'synthetic:arith', a local file, or a hub dataset name (split = its split).
-    size > 0 keeps the first `size` rows (files) or generates that many (synthetic)."""
+    size > 0 keeps the first `size` rows (files) or generates that many (synthetic; held-out splits avoid
+    the first `train_size` train problems)."""
     if spec.startswith("synthetic:"):
         if spec != "synthetic:arith":
             raise SystemExit(f"--dataset {spec}: the built-in generator is 'synthetic:arith'")
-        return synthetic_arith(split, size or 2000, seed, levels or list(range(1, ARITH_LEVELS + 1)))
+        return synthetic_arith(split, size or train_size, seed, levels or list(range(1, ARITH_LEVELS + 1)), train_size)
     from datasets import load_dataset
 
     path = Path(spec)

@@ -317,7 +317,7 @@ def main(cfg: Config) -> None:
                                     id_field=cfg.id_field, problem_field=cfg.problem_field, answer_field=cfg.answer_field)
     eval_spec = cfg.eval_dataset or (cfg.dataset if cfg.dataset.startswith("synthetic:") else "")
     eval_rows = data.load_problems(eval_spec, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed, levels=levels,
-                                   id_field=cfg.id_field, problem_field=cfg.problem_field,
+                                   train_size=cfg.train_size, id_field=cfg.id_field, problem_field=cfg.problem_field,
                                    answer_field=cfg.answer_field) if eval_spec and cfg.eval_every else []
 
     # --- model, reference, optimizer

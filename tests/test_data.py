@@ -1,0 +1,56 @@
+"""data.py: the built-in generator and file loading with row-level errors."""
+
+import json
+
+import pytest
+
+import data
+from conftest import SHARED_DATA
+
+
+def test_synthetic_is_deterministic_and_answers_are_right():
+    a = data.synthetic_arith("train", 300, seed=3, levels=[1, 2, 3, 4, 5, 6])
+    assert a == data.synthetic_arith("train", 300, seed=3, levels=[1, 2, 3, 4, 5, 6])
+    assert a != data.synthetic_arith("train", 300, seed=4, levels=[1, 2, 3, 4, 5, 6])
+    assert {r["level"] for r in a} == {1, 2, 3, 4, 5, 6}
+    for r in a:
+        if r["problem"].startswith(("What is", "Compute")):  # pure expressions: check with Python arithmetic
+            expr = r["problem"].removeprefix("What is").removeprefix("Compute").strip(" ?.")
+            assert str(eval(expr)) == r["answer"], r  # noqa: S307 - our own generated digits and + - *
+
+
+def test_synthetic_test_split_is_unseen():
+    train = {r["problem"] for r in data.synthetic_arith("train", 500, seed=0, levels=[1, 2, 3])}
+    test = data.synthetic_arith("test", 100, seed=0, levels=[1, 2, 3], train_size=500)
+    assert len(test) == 100 and not train & {r["problem"] for r in test}
+    with pytest.raises(SystemExit, match="unseen"):
+        data.synthetic_arith("test", 100, seed=0, levels=[1], train_size=2000)  # level 1: 324 distinct texts
+    with pytest.raises(SystemExit, match="levels 1-6"):
+        data.synthetic_arith("train", 10, seed=0, levels=[7])
+
+
+def test_local_jsonl_loads_and_bad_rows_are_named(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"id": f"p{i}", "q": f"What is {i}+1?", "a": i + 1}) + "\n" for i in range(5)))
+    rows = data.load_problems(str(good), "train", problem_field="q", answer_field="a")
+    assert rows[2] == {"id": "p2", "problem": "What is 2+1?", "answer": "3"}
+    with pytest.raises(SystemExit, match="no column 'problem'"):
+        data.load_problems(str(good), "train")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"problem": "ok", "answer": "1"}) + "\n" + json.dumps({"problem": " ", "answer": "2"}) + "\n")
+    with pytest.raises(SystemExit, match=r"bad.jsonl: row 1 has an empty"):
+        data.load_problems(str(bad), "train")
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text("".join(json.dumps({"id": "same", "problem": "p", "answer": "1"}) + "\n" for _ in range(2)))
+    with pytest.raises(SystemExit, match="row 1 repeats id 'same'"):
+        data.load_problems(str(dup), "train")
+    with pytest.raises(SystemExit, match="file not found"):
+        data.load_problems(str(tmp_path / "missing.jsonl"), "train")
+
+
+def test_shared_math500_loads():
+    path = SHARED_DATA / "math500.jsonl"
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    rows = data.load_problems(str(path), "train", size=10)
+    assert len(rows) == 10 and rows[0]["id"] == "math500-0001" and rows[2]["answer"] == "\\frac{14}{3}"

@@ -1,0 +1,139 @@
+"""grpo.py: advantages, masks, log-probs and the loss against numbers worked by hand, plus properties."""
+
+import math
+
+import pytest
+import torch
+
+import grpo
+from rollout import Completion, pack
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    std = math.sqrt(1 / 3)  # sample std of [1, 0, 0, 1]
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + grpo.ADV_EPS)
+    adv = grpo.group_advantages(r, 4, "group")
+    assert torch.allclose(adv[:4], expected) and torch.equal(adv[4:], torch.zeros(4))
+    assert torch.allclose(grpo.group_advantages(r, 4, "none"), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
+    batch_std = math.sqrt((2 * 0.75**2 + 6 * 0.25**2) / 7)
+    assert torch.allclose(grpo.group_advantages(r, 4, "batch")[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (batch_std + grpo.ADV_EPS))
+    with pytest.raises(ValueError):
+        grpo.group_advantages(r, 3)
+
+
+def test_completion_mask_includes_first_eos_only():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 5, 5, 5], [2, 0, 0, 0], [7, 2, 2, 2]])
+    mask, truncated = grpo.completion_mask(ids, [2])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
+    assert truncated.tolist() == [False, True, False, False]
+    mask, truncated = grpo.completion_mask(ids, [2, 7])  # every EOS id of the model counts
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0]]
+
+
+def _loss(logps, old, adv, mask, **kw):
+    return grpo.policy_loss(torch.tensor(logps), torch.tensor(old), torch.tensor(adv), torch.tensor(mask), **kw)
+
+
+def test_loss_types_by_hand():
+    # ratio 1 everywhere: token loss = -A. Seq 1: two tokens of -1; seq 2: three tokens of +0.5.
+    lp, mask, adv = [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], [[1, 1, 0], [1, 1, 1]], [1.0, -0.5]
+    assert _loss(lp, lp, adv, mask, loss_type="grpo")[0].item() == pytest.approx((-1 + 0.5) / 2)
+    assert _loss(lp, lp, adv, mask, loss_type="dapo")[0].item() == pytest.approx((-2 + 1.5) / 5)
+    assert _loss(lp, lp, adv, mask, loss_type="dr_grpo", max_completion_len=4)[0].item() == pytest.approx(-0.5 / 8)
+    # accumulation window: a micro-batch holding seq 1 of the 2-sequence, 5-token window
+    assert _loss(lp[:1], lp[:1], adv[:1], mask[:1], loss_type="dapo", window_tokens=5)[0].item() == pytest.approx(-2 / 5)
+    assert _loss(lp[:1], lp[:1], adv[:1], mask[:1], loss_type="grpo", window_seqs=2)[0].item() == pytest.approx(-1 / 2)
+
+
+def test_clipping_by_hand():
+    up, down = math.log(1.5), math.log(0.5)
+    loss, s = _loss([[up]], [[0.0]], [1.0], [[1]], eps_high=0.2)
+    assert loss.item() == pytest.approx(-1.2) and s["clip_frac_high"] == 1.0 and s["clip_frac_low"] == 0.0
+    loss, s = _loss([[up]], [[0.0]], [1.0], [[1]], eps_high=0.28)  # clip-higher: asymmetric bound
+    assert loss.item() == pytest.approx(-1.28)
+    loss, s = _loss([[up]], [[0.0]], [-1.0], [[1]])  # pessimistic side: not clipped
+    assert loss.item() == pytest.approx(1.5) and s["clip_frac_high"] == 0.0
+    loss, s = _loss([[down]], [[0.0]], [-1.0], [[1]], eps_low=0.2)
+    assert loss.item() == pytest.approx(0.8) and s["clip_frac_low"] == 1.0
+    assert s["ratio_mean"] == pytest.approx(0.5)
+
+
+def test_k3_kl_by_hand():
+    loss, s = _loss([[0.0]], [[0.0]], [0.0], [[1]], ref_logps=torch.tensor([[math.log(2.0)]]), beta=0.1)
+    assert s["kl"] == pytest.approx(1 - math.log(2))
+    assert loss.item() == pytest.approx(0.1 * (1 - math.log(2)))
+    with pytest.raises(ValueError):
+        _loss([[0.0]], [[0.0]], [0.0], [[1]], beta=0.1)
+
+
+def test_k3_gradient_with_ratio_is_unbiased_kl_gradient():
+    # Exact expectation over a 3-token vocabulary: sum_x pi_old(x) * grad[(pi/pi_old) k3(x)] == grad KL(pi||ref)
+    theta = torch.tensor([0.3, -0.2, 0.5], requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.1, 0.4, -0.3]), 0)
+    logp = torch.log_softmax(theta, 0)
+    old = logp.detach()
+    total = 0
+    for x in range(3):
+        loss, _ = grpo.policy_loss(logp[x].view(1, 1), old[x].view(1, 1), torch.zeros(1), torch.ones(1, 1),
+                                   ref[x].view(1, 1), beta=1.0)
+        total = total + old[x].exp() * loss
+    (g_est,) = torch.autograd.grad(total, theta)
+    logp = torch.log_softmax(theta, 0)
+    kl = (logp.exp() * (logp - ref)).sum()
+    (g_true,) = torch.autograd.grad(kl, theta)
+    assert torch.allclose(g_est, g_true, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_padding_changes_neither_loss_nor_gradient(loss_type):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        n, c = 3, 6
+        mask = (torch.rand(n, c, generator=g) < 0.7).long()
+        mask[:, 0] = 1
+        base = torch.randn(n, c, generator=g)
+        old, ref, adv = torch.randn(n, c, generator=g) * 0.1 + base, torch.randn(n, c, generator=g), torch.randn(n, generator=g)
+        noise = torch.randn(n, c, generator=g) * 5 * (1 - mask)
+        results = []
+        for lp_values, old_values, ref_values in ((base, old, ref), (base + noise, old - noise, ref + noise)):
+            lp = lp_values.clone().requires_grad_(True)
+            loss, _ = grpo.policy_loss(lp, old_values, adv, mask, ref_values, beta=0.05, loss_type=loss_type,
+                                       max_completion_len=c)
+            loss.backward()
+            results.append((loss.detach(), lp.grad * mask))
+        assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+        assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
+
+
+def test_on_policy_gradient_is_advantage_weighted_reinforce():
+    g = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    adv = torch.randn(3, generator=g)
+    lp = torch.randn(3, 4, generator=g).requires_grad_(True)
+    loss, _ = grpo.policy_loss(lp, lp.detach(), adv, mask, loss_type="grpo")
+    loss.backward()
+    # d/dlogp of -mean_i mean_t A_i * exp(logp - sg(logp)) = -A_i / (|o_i| * N)
+    expected = -adv[:, None] / mask.sum(1, keepdim=True) / 3 * mask
+    assert torch.allclose(lp.grad, expected, atol=1e-7)
+
+
+def test_token_logprobs_match_naive_and_ignore_left_padding(tiny):
+    model, tokenizer = tiny
+    torch.manual_seed(0)
+    comps = [Completion(torch.randint(3, 300, (p,)), torch.randint(3, 300, (k,)), False, "")
+             for p, k in ((5, 4), (9, 2), (3, 6))]
+    ids, attn, cmask = pack(comps, tokenizer.pad_token_id, "cpu")
+    for temperature in (1.0, 0.7):
+        with torch.no_grad():
+            got, entropy = grpo.token_logprobs(model, ids, attn, cmask, micro_batch=2, temperature=temperature)
+        for i, c in enumerate(comps):
+            full = torch.cat([c.prompt_ids, c.completion_ids])[None]
+            with torch.no_grad():
+                logits = model(full).logits[0, len(c.prompt_ids) - 1:-1] / temperature
+            naive = torch.log_softmax(logits.float(), -1).gather(-1, c.completion_ids[:, None]).squeeze(-1)
+            k = len(c.completion_ids)
+            assert torch.allclose(got[i, :k], naive, atol=1e-5), (i, temperature)
+            assert torch.all(got[i, k:] == 0) and torch.all(entropy[i, :k] > 0)
+            probs = torch.softmax(logits.float(), -1)
+            assert torch.allclose(entropy[i, :k], -(probs * probs.log()).sum(-1), atol=1e-4)
