@@ -26,11 +26,15 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+import abstract
 import data
 import grpo
 import math_grader
 import models
+import pool as pool_lib
 import prompts
+import reflect
+from pool import ExperiencePool, Trial
 from rollout import Completion, generate_completions, pack
 
 
@@ -89,6 +93,28 @@ class Config:
     eps_low: float = _f(0.2, "PPO clip below: ratio >= 1 - eps_low")
     eps_high: float = _f(0.2, "PPO clip above: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)")
     beta: float = _f(0.0, "KL(pi || pi_ref) coefficient, k3 estimator; 0 skips the reference model entirely")
+    # --- LANPO: language feedback for exploration
+    feedback: str = _f("both", "language feedback: none (plain GRPO), intra (reflection on own earlier attempts), "
+                       "inter (principles from similar problems), both", choices=["none", "intra", "inter", "both"])
+    feedback_ratio: float = _f(0.5, "rho: share of each group's G rollouts that get feedback when it exists "
+                               "(round(rho*G), halves up); the rest start from scratch")
+    feedback_grad: str = _f("context", "train feedback rollouts on the prompt they were sampled with (context), or "
+                            "on the plain prompt as off-policy samples under the clipped ratio (strip)",
+                            choices=["context", "strip"])
+    reflect_mode: str = _f("agnostic", "reflection prompt: agnostic (LANPO), or the leaky ablations with-reward / "
+                           "with-gold", choices=["agnostic", "with-reward", "with-gold"])
+    reflect_attempts: int = _f(1, "earlier attempts shown in a reflection prompt (newest first)")
+    attempt_tokens: int = _f(160, "token budget per shown attempt or experience (beginning and end kept)")
+    inter_mode: str = _f("principles", "inter-sample feedback: principles (LANPO) or raw trajectories (ablation)",
+                         choices=["principles", "raw"])
+    inter_candidates: int = _f(3, "K: similar problems retrieved from the pool per problem")
+    relevance_threshold: float = _f(0.9, "gamma: keep a candidate when P(Yes | relevant?) >= gamma; 0 keeps all")
+    abstract_refresh: int = _f(4, "reuse a problem's principles for this many steps before distilling anew")
+    abstract_max_tokens: int = _f(96, "longest principles text")
+    retriever: str = _f("tfidf", "similar-problem retriever: tfidf (lexical, numpy) or policy (its hidden states)",
+                        choices=["tfidf", "policy"])
+    pool_per_problem: int = _f(8, "trials kept per problem (oldest evicted first)")
+    pool_max_problems: int = _f(20000, "problems kept in the pool (least recently tried evicted first)")
     # --- logging and checkpoints
     report_to: str = _f("auto", "auto (wandb when installed; honours WANDB_MODE), wandb or none",
                         choices=["auto", "wandb", "none"])
@@ -126,6 +152,14 @@ def check_config(cfg: Config) -> None:
     for name in ("steps", "batch_problems", "max_new_tokens", "ppo_epochs", "gen_batch", "keep_last"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if not 0.0 <= cfg.feedback_ratio <= 1.0:
+        raise SystemExit(f"--feedback-ratio must be in [0, 1], got {cfg.feedback_ratio}")
+    if not 0.0 <= cfg.relevance_threshold <= 1.0:
+        raise SystemExit(f"--relevance-threshold must be in [0, 1], got {cfg.relevance_threshold}")
+    for name in ("reflect_attempts", "attempt_tokens", "inter_candidates", "abstract_refresh",
+                 "abstract_max_tokens", "pool_per_problem", "pool_max_problems"):
+        if getattr(cfg, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.temperature <= 0:
         raise SystemExit("--temperature must be > 0 for sampling (evaluation decodes greedily on its own)")
 
@@ -156,14 +190,52 @@ def problems_for_step(rows: list[dict], step: int, batch: int, seed: int) -> lis
     return picked
 
 
-def build_prompts(tokenizer, problems: list[dict], cfg: Config) -> tuple[list[str], list[str]]:
-    """Prompt text and kind for each of the B*G rollouts, group after group."""
-    texts, kinds = [], []
+def plan_group(group_size: int, ratio: float, can_reflect: bool, can_abstract: bool, feedback: str) -> list[str]:
+    """Rollout kinds of one group. n = round(ratio * G) (halves up) rollouts get feedback when the problem
+    has some, the rest start from scratch. With `both`, reflection takes ceil(n/2) and abstraction
+    floor(n/2) when both exist; when only one exists it takes all n."""
+    can_reflect = can_reflect and feedback in ("intra", "both")
+    can_abstract = can_abstract and feedback in ("inter", "both")
+    n = math.floor(ratio * group_size + 0.5) if (can_reflect or can_abstract) else 0
+    n_reflect = (n + 1) // 2 if (can_reflect and can_abstract) else (n if can_reflect else 0)
+    n_abstract = n - n_reflect
+    return ["scratch"] * (group_size - n) + ["reflect"] * n_reflect + ["abstract"] * n_abstract
+
+
+@dataclass
+class Prompt:
+    text: str      # what the policy is sampled with
+    plain: str     # the from-scratch prompt of the same problem (trained on under --feedback-grad strip)
+    kind: str      # scratch | reflect | abstract
+    context: str   # the feedback it carries, as stored in the pool
+
+
+def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons: dict[str, str],
+                  cfg: Config) -> list[Prompt]:
+    """One prompt per rollout, B groups of G. Reflection shows the model's own earlier responses and never
+    their rewards (reflect.reflection_request cannot take one); only the leaky ablations add labels."""
+    out = []
     for problem in problems:
-        prompt = prompts.render_prompt(tokenizer, prompts.problem_request(problem["problem"]), cfg.one_shot)
-        texts += [prompt] * cfg.group_size
-        kinds += ["scratch"] * cfg.group_size
-    return texts, kinds
+        plain = prompts.render_prompt(tokenizer, prompts.problem_request(problem["problem"]), cfg.one_shot)
+        earlier = pool.attempts(problem["id"], cfg.reflect_attempts)
+        shown = [reflect.shorten(t.response, tokenizer, cfg.attempt_tokens) for t in earlier]
+        for kind in plan_group(cfg.group_size, cfg.feedback_ratio, bool(earlier), problem["id"] in lessons,
+                               cfg.feedback):
+            if kind == "reflect":
+                if cfg.reflect_mode == "agnostic":
+                    request = reflect.reflection_request(problem["problem"], shown)
+                else:
+                    request = reflect.leaky_reflection_request(problem["problem"], shown, cfg.reflect_mode,
+                                                               [t.reward for t in earlier], problem["answer"])
+                text, context = prompts.render_prompt(tokenizer, request, cfg.one_shot), "\n\n".join(shown)
+            elif kind == "abstract":
+                context = lessons[problem["id"]]
+                request = abstract.abstraction_request(problem["problem"], context, raw=cfg.inter_mode == "raw")
+                text = prompts.render_prompt(tokenizer, request, cfg.one_shot)
+            else:
+                text, context = plain, ""
+            out.append(Prompt(text, plain, kind, context))
+    return out
 
 
 def grade_all(completions: list[Completion], answers: list[str]) -> torch.Tensor:
@@ -171,13 +243,19 @@ def grade_all(completions: list[Completion], answers: list[str]) -> torch.Tensor
 
 
 def policy_update(model, ref_model, optimizer, scheduler, accelerator, completions: list[Completion],
-                  advantages: torch.Tensor, cfg: Config, pad_id: int) -> dict[str, float]:
-    """ppo_epochs optimizer updates on one batch of rollouts, accumulated over micro-batches."""
+                  advantages: torch.Tensor, cfg: Config, pad_id: int,
+                  behaviour: list[Completion] | None = None) -> dict[str, float]:
+    """ppo_epochs optimizer updates on one batch of rollouts, accumulated over micro-batches.
+
+    `behaviour`: the same completions on the prompts they were sampled with, when training uses other
+    prompts (--feedback-grad strip). Old log-probs then come from the sampling prompts, so the clipped
+    ratio pi(y | plain) / pi(y | feedback) treats these samples as off-policy, as they are."""
     device = accelerator.device
     # Sort by length so micro-batches pad little; the sum over the window does not depend on order.
     order = sorted(range(len(completions)), key=lambda i: len(completions[i].prompt_ids) + len(completions[i].completion_ids))
     micro = [order[i:i + cfg.micro_batch] for i in range(0, len(order), cfg.micro_batch)]
     batches = [pack([completions[i] for i in idx], pad_id, device) for idx in micro]
+    sampled = batches if behaviour is None else [pack([behaviour[i] for i in idx], pad_id, device) for idx in micro]
     window_seqs = len(completions)
     window_tokens = sum(len(c.completion_ids) for c in completions)
     stats: dict[str, list[float]] = {}
@@ -187,8 +265,9 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
     old_logps, ref_logps = [None] * len(micro), [None] * len(micro)
     with torch.no_grad():
         for j, (ids, attn, cmask) in enumerate(batches):
-            if cfg.ppo_epochs > 1:  # with one epoch pi_old == pi: the ratio is 1, no extra forward needed
-                old_logps[j] = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch, cfg.temperature)[0]
+            # on-policy with one epoch, pi_old == pi: the ratio is exactly 1 and needs no extra forward
+            if cfg.ppo_epochs > 1 or behaviour is not None:
+                old_logps[j] = grpo.token_logprobs(model, *sampled[j], cfg.micro_batch, cfg.temperature)[0]
             if cfg.beta > 0:
                 ref_logps[j] = reference_logprobs(model, ref_model, ids, attn, cmask, cfg)
     timings["time_logprob"] = time.perf_counter() - t0
@@ -223,6 +302,41 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
     return {**out, **timings}
 
 
+def _groups(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+    """Count, reward, accuracy and length per rollout kind (kinds absent this step log only count 0)."""
+    out = {}
+    for kind in pool_lib.KINDS:
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        out[f"{kind}/count"] = float(len(idx))
+        if idx:
+            out[f"{kind}/reward"] = rewards[idx].mean().item()
+            out[f"{kind}/accuracy"] = (rewards[idx] == 1.0).float().mean().item()
+            out[f"{kind}/len"] = lengths[idx].mean().item()
+    return out
+
+
+def feedback_metrics(a: abstract.AbstractionStats, pool: ExperiencePool, rollout_prompts: list[Prompt],
+                     tokenizer) -> dict[str, float]:
+    prompt_tokens = [len(tokenizer(p.text, add_special_tokens=False).input_ids) for p in rollout_prompts]
+    return {
+        "relevance_candidates": float(a.candidates),
+        "relevance_accept_rate": a.kept / a.candidates if a.candidates else 0.0,
+        "principles_made": float(a.made),
+        "principles_cached": float(a.cached),
+        "principles_len_mean": float(np.mean(a.principles_tokens)) if a.principles_tokens else 0.0,
+        "prompt_len_mean": float(np.mean(prompt_tokens)),
+        "pool_trials": float(len(pool)),
+        "pool_problems": float(len(pool.trials)),
+        "time_retrieval": a.time_retrieval,
+        "time_relevance": a.time_relevance,
+        "time_abstraction": a.time_abstraction,
+    }
+
+
 def reference_logprobs(model, ref_model, ids, attn, cmask, cfg: Config) -> torch.Tensor:
     """Log-probs under the reference policy: the adapter-disabled model for LoRA (no second copy),
     else the frozen initial copy."""
@@ -252,9 +366,11 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")) if root.exists() else []
 
 
-def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int) -> Path:
-    """Model, optimizer, scheduler and RNG states via accelerate, plus the step; written to a .tmp dir
-    and renamed, so a kill mid-save never shadows the previous good checkpoint."""
+def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int, pool: ExperiencePool,
+                    lessons_cache: dict) -> Path:
+    """Model, optimizer, scheduler and RNG states via accelerate, the step, the experience pool and the
+    lessons cache; written to a .tmp dir and renamed, so a kill mid-save never shadows the previous good
+    checkpoint."""
     final = out_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
@@ -263,6 +379,8 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int) -> Pa
     accelerator.save_state(str(tmp))
     if accelerator.is_main_process:
         (tmp / "lanpo_state.json").write_text(json.dumps({"step": step}))
+        pool.save(tmp / "pool.jsonl")
+        (tmp / "lessons_cache.json").write_text(json.dumps(lessons_cache))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in checkpoint_dirs(out_dir)[:-keep_last]:
@@ -278,11 +396,11 @@ def append_metrics(path: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def truncate_metrics(path: Path, before_step: int) -> None:
-    """On resume, drop lines of steps that will be run again, so metrics.jsonl has each step once."""
+def truncate_metrics(path: Path, done_steps: int) -> None:
+    """On resume, drop lines of steps after the checkpoint (they run again), so each step appears once."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < before_step]
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= done_steps]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
@@ -357,6 +475,15 @@ def main(cfg: Config) -> None:
     run = start_wandb(cfg, accelerator)
     math_grader.warm_up()
 
+    # --- the experience pool (filled under every --feedback, so a GRPO run's pool can be used later)
+    index = (pool_lib.TfidfIndex() if cfg.retriever == "tfidf"
+             else pool_lib.EmbeddingIndex(abstract.hidden_state_embedder(policy, tokenizer)))
+    pool = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index)
+    lessons_cache: dict[str, dict] = {}
+    if start_step:
+        pool.load(latest / "pool.jsonl")
+        lessons_cache = json.loads((latest / "lessons_cache.json").read_text())
+
     from tqdm.auto import tqdm
 
     progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps,
@@ -365,13 +492,21 @@ def main(cfg: Config) -> None:
         t_step = time.perf_counter()
         torch.manual_seed(cfg.seed * 1_000_003 + step)  # per-step seed: a resumed run samples identically
 
-        # 1. problems and prompts (one prompt per rollout; feedback-aware prompts are built here)
+        # 1. problems, language feedback from the pool, and one prompt per rollout
         problems = problems_for_step(train_rows, step, cfg.batch_problems, cfg.seed)
-        texts, kinds = build_prompts(tokenizer, problems, cfg)
+        lessons, abstraction = {}, abstract.AbstractionStats()
+        if cfg.feedback in ("inter", "both") and cfg.feedback_ratio > 0:
+            lessons, abstraction = abstract.lessons_for(
+                policy, tokenizer, pool, problems, lessons_cache, step, candidates=cfg.inter_candidates,
+                gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
+                attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens, eos_ids=eos_ids,
+                gen_batch=cfg.gen_batch)
+        rollout_prompts = build_prompts(tokenizer, problems, pool, lessons, cfg)
+        kinds = [p.kind for p in rollout_prompts]
 
         # 2. sample G rollouts per problem
         t0 = time.perf_counter()
-        completions = generate_completions(policy, tokenizer, texts, eos_ids=eos_ids,
+        completions = generate_completions(policy, tokenizer, [p.text for p in rollout_prompts], eos_ids=eos_ids,
                                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                            top_p=cfg.top_p, batch_size=cfg.gen_batch)
         time_generate = time.perf_counter() - t0
@@ -385,11 +520,23 @@ def main(cfg: Config) -> None:
         # 4. group-relative advantages over each problem's G rollouts
         advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_scale)
 
-        # 5. clipped policy-gradient update(s)
-        update_stats = policy_update(model, ref_model, optimizer, scheduler, accelerator, completions,
-                                     advantages, cfg, tokenizer.pad_token_id)
+        # 5. clipped policy-gradient update(s), over the whole mixed group
+        train_on, behaviour = completions, None
+        if cfg.feedback_grad == "strip" and any(k != "scratch" for k in kinds):
+            behaviour = completions
+            train_on = [c if p.kind == "scratch" else dataclasses.replace(
+                c, prompt_ids=torch.tensor(tokenizer(p.plain, add_special_tokens=False).input_ids))
+                for c, p in zip(completions, rollout_prompts)]
+        update_stats = policy_update(model, ref_model, optimizer, scheduler, accelerator, train_on,
+                                     advantages, cfg, tokenizer.pad_token_id, behaviour)
 
-        # 6. log
+        # 6. remember every trial: the pool feeds reflection and abstraction in later steps
+        pool.add([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, r, step + 1)
+                  for prob, group in zip(problems, _groups(list(zip(rollout_prompts, completions, rewards.tolist())),
+                                                           cfg.group_size))
+                  for p, c, r in group])
+
+        # 7. log
         lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.float32)
         grouped = rewards.view(-1, cfg.group_size)
         record = {
@@ -408,13 +555,16 @@ def main(cfg: Config) -> None:
             "grader_timeouts": math_grader.timeouts(),
         }
 
-        # 7. evaluate and checkpoint
+        record.update(kind_metrics(kinds, rewards, lengths))
+        record.update(feedback_metrics(abstraction, pool, rollout_prompts, tokenizer))
+
+        # 8. evaluate and checkpoint
         if eval_rows and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             t0 = time.perf_counter()
             record.update(evaluate_accuracy(policy, tokenizer, eval_rows, cfg, eos_ids))
             record["time_eval"] = time.perf_counter() - t0
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            save_checkpoint(accelerator, out_dir, step + 1, cfg.keep_last)
+            save_checkpoint(accelerator, out_dir, step + 1, cfg.keep_last, pool, lessons_cache)
         record["time_step"] = time.perf_counter() - t_step
         if accelerator.is_main_process:
             append_metrics(metrics_path, record)

@@ -1,0 +1,183 @@
+"""Relevant abstraction (inter-sample feedback): lessons from similar *other* problems in the pool.
+
+1. candidates: `pool.similar(problem)` gives the top-K other problems with their trials (their rewards
+   may be used: they are not the current problem's labels);
+2. relevance: the policy judges, in one batched forward pass without generation, whether each
+   candidate's approach is relevant to the current problem; score = P(Yes) normalised over {Yes, No};
+   candidates with score >= gamma are kept (gamma = 0 keeps all);
+3. abstraction: one batched `generate` call distils the kept experiences of each problem into a few
+   short, general principles, which go into that problem's prompt. `raw` mode (an ablation) injects
+   the retrieved trajectories themselves instead.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pool import ExperiencePool, Trial
+from prompts import FORMAT_INSTRUCTION, render_prompt
+from reflect import shorten
+from rollout import generate_completions
+
+
+def best_trial(trials: list[Trial]) -> Trial:
+    """The trial that shows a candidate's approach best: the newest correct one, else the newest."""
+    return next((t for t in trials if t.reward > 0), trials[0])
+
+
+def relevance_request(problem: str, other_problem: str, other_solution: str) -> str:
+    return (f"Problem A: {problem}\n\nProblem B: {other_problem}\n\nA solution of problem B:\n{other_solution}\n\n"
+            "Is the approach used to solve problem B relevant and useful for solving problem A? "
+            "Answer with Yes or No.")
+
+
+@torch.no_grad()
+def relevance_scores(model, tokenizer, pairs: list[str], batch_size: int = 16) -> list[float]:
+    """P(Yes) / (P(Yes) + P(No)) for the first token of the assistant's answer to each relevance request.
+    The full-vocabulary P(Yes) of a small model is tiny even when it prefers Yes; normalising over the two
+    answers makes gamma mean the same thing for every model (0.9 = nine-to-one odds for Yes)."""
+    yes_id = tokenizer.encode("Yes", add_special_tokens=False)[0]
+    no_id = tokenizer.encode("No", add_special_tokens=False)[0]
+    # no worked example: it teaches the \boxed format of math answers, not Yes/No judgements
+    texts = [render_prompt(tokenizer, p, one_shot=False) for p in pairs]
+    was_training = model.training
+    model.eval()
+    scores = []
+    for start in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
+                        add_special_tokens=False).to(model.device)
+        position_ids = (enc.attention_mask.cumsum(1) - 1).clamp(min=0)
+        logits = model(**enc, position_ids=position_ids, logits_to_keep=1).logits[:, -1, :].float()
+        two = torch.log_softmax(logits[:, [yes_id, no_id]], dim=-1)
+        scores += two[:, 0].exp().tolist()
+    model.train(was_training)
+    return scores
+
+
+def principles_request(problem: str, experiences: list[Trial]) -> str:
+    """Ask for short, general principles drawn from related solved (or failed) problems."""
+    blocks = []
+    for i, t in enumerate(experiences, 1):
+        verdict = "correct" if t.reward > 0 else "incorrect"
+        blocks.append(f"Example {i} (its final answer was {verdict}):\nProblem: {t.problem}\nSolution: {t.response}")
+    examples = "\n\n".join(blocks)
+    return (f"{examples}\n\nNew problem: {problem}\n\n"
+            "From the examples above, write at most three short, general principles (methods, checks, "
+            "common mistakes) that would help solve the new problem. Do not solve the new problem. Do not "
+            "copy numbers or final answers from the examples.")
+
+
+def clean_principles(text: str) -> str:
+    """Principles must not carry final answers: drop any \\boxed{...} the model wrote anyway."""
+    text = re.sub(r"\\boxed\s*\{[^{}]*\}", "[answer removed]", text)
+    return text.strip()
+
+
+def raw_experience_block(experiences: list[Trial]) -> str:
+    """ABLATION (`--inter-mode raw`): the retrieved trajectories themselves."""
+    return "\n\n".join(f"Related problem: {t.problem}\nA solution: {t.response}" for t in experiences)
+
+
+def abstraction_request(problem: str, lessons: str, raw: bool = False) -> str:
+    """User turn for solving a problem with lessons (principles, or raw trajectories in the ablation)."""
+    header = "Here are solutions of related problems:" if raw else "Here are some general principles that may help:"
+    return f"{header}\n{lessons}\n\nProblem: {problem}\n{FORMAT_INSTRUCTION}"
+
+
+@dataclass
+class AbstractionStats:
+    candidates: int = 0
+    kept: int = 0
+    made: int = 0           # principles generated this step (cache misses)
+    cached: int = 0         # lessons served from the cache
+    principles_tokens: list[int] = field(default_factory=list)
+    time_retrieval: float = 0.0
+    time_relevance: float = 0.0
+    time_abstraction: float = 0.0
+
+
+def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, *,
+                candidates: int, gamma: float, mode: str, refresh: int, attempt_tokens: int,
+                max_new_tokens: int, eos_ids: list[int], gen_batch: int) -> tuple[dict[str, str], AbstractionStats]:
+    """Lessons (principles, or raw trajectories in `raw` mode) for each problem that has relevant
+    experience in the pool; problems without any are absent from the result.
+
+    `cache` maps problem id -> {"step", "lessons"} and is updated in place; an entry (also "all
+    candidates judged irrelevant") is reused for `refresh` steps, then rebuilt (the pool has grown and
+    the policy has changed)."""
+    stats = AbstractionStats()
+    lessons: dict[str, str] = {}
+    todo: list[tuple[dict, list[Trial]]] = []
+    pairs, owners = [], []
+
+    t0 = time.perf_counter()
+    for p in problems:
+        hit = cache.get(p["id"])
+        if hit is not None and step - hit["step"] < refresh:
+            if hit["lessons"]:
+                lessons[p["id"]] = hit["lessons"]
+            stats.cached += 1
+            continue
+        found = pool.similar(p["problem"], candidates, exclude_id=p["id"])
+        shown = [best_trial(trials) for _, trials in found]
+        shown = [Trial(t.problem_id, t.problem, t.kind, t.context, shorten(t.response, tokenizer, attempt_tokens),
+                       t.reward, t.step) for t in shown]
+        stats.candidates += len(shown)
+        todo.append((p, shown))
+        for t in shown:
+            pairs.append(relevance_request(p["problem"], t.problem, t.response))
+            owners.append(len(todo) - 1)
+    stats.time_retrieval = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    kept: list[list[Trial]] = [[] for _ in todo]
+    if gamma > 0 and pairs:
+        scores = relevance_scores(model, tokenizer, pairs)
+        flat = [t for _, shown in todo for t in shown]
+        for owner, t, s in zip(owners, flat, scores):
+            if s >= gamma:
+                kept[owner].append(t)
+    else:  # gamma = 0: no filter, no forward pass
+        kept = [shown for _, shown in todo]
+    stats.kept = sum(len(k) for k in kept)
+    stats.time_relevance = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    needs = [(p, k) for (p, _), k in zip(todo, kept) if k]
+    if mode == "raw":
+        made = [raw_experience_block(k) for _, k in needs]
+    elif needs:
+        requests = [render_prompt(tokenizer, principles_request(p["problem"], k), one_shot=False) for p, k in needs]
+        outs = generate_completions(model, tokenizer, requests, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+                                    greedy=True, batch_size=gen_batch)
+        made = [clean_principles(o.text) for o in outs]
+        stats.principles_tokens = [len(o.completion_ids) for o in outs]
+    else:
+        made = []
+    stats.made = len(made)
+    by_id = {p["id"]: text for (p, _), text in zip(needs, made)}
+    for p, shown in todo:
+        text = by_id.get(p["id"], "")
+        if shown:  # with no candidates at all there is nothing to reuse: ask the (growing) pool next step
+            cache[p["id"]] = {"step": step, "lessons": text}
+        if text:
+            lessons[p["id"]] = text
+    stats.time_abstraction = time.perf_counter() - t0
+    return lessons, stats
+
+
+def hidden_state_embedder(model, tokenizer):
+    """embed(texts) for `--retriever policy`: the policy's mean-pooled last hidden states (no extra model)."""
+    @torch.no_grad()
+    def embed(texts: list[str]):
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        position_ids = (enc.attention_mask.cumsum(1) - 1).clamp(min=0)
+        hidden = model(**enc, position_ids=position_ids, output_hidden_states=True,
+                       logits_to_keep=1).hidden_states[-1].float()
+        mask = enc.attention_mask[..., None].float()
+        return ((hidden * mask).sum(1) / mask.sum(1)).cpu().numpy()
+    return embed
