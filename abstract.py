@@ -92,6 +92,7 @@ def abstraction_request(problem: str, lessons: str, raw: bool = False) -> str:
 class AbstractionStats:
     candidates: int = 0
     kept: int = 0
+    scores: list[float] = field(default_factory=list)  # relevance scores of all candidates scored
     made: int = 0           # principles generated this step (cache misses)
     cached: int = 0         # lessons served from the cache
     principles_tokens: list[int] = field(default_factory=list)
@@ -137,6 +138,7 @@ def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], ca
     kept: list[list[Trial]] = [[] for _ in todo]
     if gamma > 0 and pairs:
         scores = relevance_scores(model, tokenizer, pairs)
+        stats.scores = scores
         flat = [t for _, shown in todo for t in shown]
         for owner, t, s in zip(owners, flat, scores):
             if s >= gamma:

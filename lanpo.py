@@ -47,7 +47,7 @@ class Config:
     # --- run
     out_dir: str = _f("runs/default", "where config, metrics.jsonl, checkpoints and the final model go")
     seed: int = _f(0, "seed for data order, sampling and initialisation")
-    steps: int = _f(12, "training steps (one step = B problems x G rollouts, then ppo_epochs updates)")
+    steps: int = _f(10, "training steps (one step = B problems x G rollouts, then ppo_epochs updates)")
     resume: bool = _f(False, "continue from the latest checkpoint in out_dir/checkpoints")
     # --- model
     model: str = _f(models.EMBEDDED, "hub id, alias (Qwen2.5-7B), local dir, .gguf file, or the embedded "
@@ -61,7 +61,9 @@ class Config:
     dataset: str = _f("synthetic:arith", "synthetic:arith (built-in), a .jsonl/.json/.parquet file, or a hub dataset")
     split: str = _f("train", "split of a hub dataset (and of synthetic:arith)")
     levels: str = _f("1-3", "synthetic:arith difficulty levels, e.g. 1-3 or 1,2,5 (1 easiest, 6 hardest)")
-    train_size: int = _f(2000, "problems to generate (synthetic) or keep from the start of the file (0 = all)")
+    train_size: int = _f(0, "keep the first N rows of a dataset file or hub split (0 = all)")
+    synthetic_size: int = _f(48, "training problems synthetic:arith generates; few, so problems recur and "
+                             "reflection on earlier attempts has something to work with in a short run")
     id_field: str = _f("id", "dataset column with a unique problem id (row index when absent)")
     problem_field: str = _f("problem", "dataset column with the problem text")
     answer_field: str = _f("answer", "dataset column with the gold answer")
@@ -70,11 +72,11 @@ class Config:
     eval_dataset: str = _f("", "held-out problems; empty = the 'test' split of synthetic:arith, or none for files")
     eval_split: str = _f("test", "split of the eval dataset")
     eval_size: int = _f(64, "eval problems (0 = all)")
-    eval_every: int = _f(4, "evaluate every N steps and at the end (0 = never)")
+    eval_every: int = _f(5, "evaluate every N steps and at the end (0 = never)")
     # --- rollouts
     batch_problems: int = _f(8, "B: problems per step")
     group_size: int = _f(4, "G: rollouts per problem (one GRPO group)")
-    max_new_tokens: int = _f(64, "longest completion; longer ones are truncated (and counted)")
+    max_new_tokens: int = _f(48, "longest completion; longer ones are truncated (and counted)")
     temperature: float = _f(1.0, "sampling temperature; log-probs are taken at the same temperature")
     top_p: float = _f(1.0, "nucleus sampling (1 = off; <1 makes sampling differ from the trained distribution)")
     gen_batch: int = _f(64, "prompts per generate call")
@@ -110,7 +112,7 @@ class Config:
     inter_candidates: int = _f(3, "K: similar problems retrieved from the pool per problem")
     relevance_threshold: float = _f(0.9, "gamma: keep a candidate when P(Yes | relevant?) >= gamma; 0 keeps all")
     abstract_refresh: int = _f(4, "reuse a problem's principles for this many steps before distilling anew")
-    abstract_max_tokens: int = _f(96, "longest principles text")
+    abstract_max_tokens: int = _f(64, "longest principles text")
     retriever: str = _f("tfidf", "similar-problem retriever: tfidf (lexical, numpy) or policy (its hidden states)",
                         choices=["tfidf", "policy"])
     pool_per_problem: int = _f(8, "trials kept per problem (oldest evicted first)")
@@ -149,7 +151,7 @@ def check_config(cfg: Config) -> None:
     if rollouts % cfg.micro_batch:
         raise SystemExit(f"--micro-batch {cfg.micro_batch} does not divide B*G = {cfg.batch_problems}*"
                          f"{cfg.group_size} = {rollouts}; pick a divisor of {rollouts}")
-    for name in ("steps", "batch_problems", "max_new_tokens", "ppo_epochs", "gen_batch", "keep_last"):
+    for name in ("steps", "batch_problems", "synthetic_size", "max_new_tokens", "ppo_epochs", "gen_batch", "keep_last"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if not 0.0 <= cfg.feedback_ratio <= 1.0:
@@ -302,10 +304,6 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
     return {**out, **timings}
 
 
-def _groups(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
-
 def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
     """Count, reward, accuracy and length per rollout kind (kinds absent this step log only count 0)."""
     out = {}
@@ -319,16 +317,15 @@ def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor)
     return out
 
 
-def feedback_metrics(a: abstract.AbstractionStats, pool: ExperiencePool, rollout_prompts: list[Prompt],
-                     tokenizer) -> dict[str, float]:
-    prompt_tokens = [len(tokenizer(p.text, add_special_tokens=False).input_ids) for p in rollout_prompts]
+def feedback_metrics(a: abstract.AbstractionStats, pool: ExperiencePool, completions: list[Completion]) -> dict[str, float]:
     return {
         "relevance_candidates": float(a.candidates),
         "relevance_accept_rate": a.kept / a.candidates if a.candidates else 0.0,
+        "relevance_score_mean": float(np.mean(a.scores)) if a.scores else 0.0,
         "principles_made": float(a.made),
         "principles_cached": float(a.cached),
         "principles_len_mean": float(np.mean(a.principles_tokens)) if a.principles_tokens else 0.0,
-        "prompt_len_mean": float(np.mean(prompt_tokens)),
+        "prompt_len_mean": float(np.mean([len(c.prompt_ids) for c in completions])),
         "pool_trials": float(len(pool)),
         "pool_problems": float(len(pool.trials)),
         "time_retrieval": a.time_retrieval,
@@ -431,11 +428,12 @@ def main(cfg: Config) -> None:
 
     # --- data (validated before any model is loaded)
     levels = parse_levels(cfg.levels)
-    train_rows = data.load_problems(cfg.dataset, cfg.split, size=cfg.train_size, seed=cfg.seed, levels=levels,
+    train_size = cfg.synthetic_size if cfg.dataset.startswith("synthetic:") else cfg.train_size
+    train_rows = data.load_problems(cfg.dataset, cfg.split, size=train_size, seed=cfg.seed, levels=levels,
                                     id_field=cfg.id_field, problem_field=cfg.problem_field, answer_field=cfg.answer_field)
     eval_spec = cfg.eval_dataset or (cfg.dataset if cfg.dataset.startswith("synthetic:") else "")
     eval_rows = data.load_problems(eval_spec, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed, levels=levels,
-                                   train_size=cfg.train_size, id_field=cfg.id_field, problem_field=cfg.problem_field,
+                                   train_size=train_size, id_field=cfg.id_field, problem_field=cfg.problem_field,
                                    answer_field=cfg.answer_field) if eval_spec and cfg.eval_every else []
 
     # --- model, reference, optimizer
@@ -503,6 +501,7 @@ def main(cfg: Config) -> None:
                 gen_batch=cfg.gen_batch)
         rollout_prompts = build_prompts(tokenizer, problems, pool, lessons, cfg)
         kinds = [p.kind for p in rollout_prompts]
+        rollout_problems = [p for p in problems for _ in range(cfg.group_size)]
 
         # 2. sample G rollouts per problem
         t0 = time.perf_counter()
@@ -513,8 +512,7 @@ def main(cfg: Config) -> None:
 
         # 3. grade against the gold answers (numerical reward; feedback never changes it)
         t0 = time.perf_counter()
-        answers = [p["answer"] for p in problems for _ in range(cfg.group_size)]
-        rewards = grade_all(completions, answers)
+        rewards = grade_all(completions, [p["answer"] for p in rollout_problems])
         time_grade = time.perf_counter() - t0
 
         # 4. group-relative advantages over each problem's G rollouts
@@ -532,9 +530,7 @@ def main(cfg: Config) -> None:
 
         # 6. remember every trial: the pool feeds reflection and abstraction in later steps
         pool.add([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, r, step + 1)
-                  for prob, group in zip(problems, _groups(list(zip(rollout_prompts, completions, rewards.tolist())),
-                                                           cfg.group_size))
-                  for p, c, r in group])
+                  for prob, p, c, r in zip(rollout_problems, rollout_prompts, completions, rewards.tolist())])
 
         # 7. log
         lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.float32)
@@ -554,9 +550,8 @@ def main(cfg: Config) -> None:
             "time_grade": time_grade,
             "grader_timeouts": math_grader.timeouts(),
         }
-
         record.update(kind_metrics(kinds, rewards, lengths))
-        record.update(feedback_metrics(abstraction, pool, rollout_prompts, tokenizer))
+        record.update(feedback_metrics(abstraction, pool, completions))
 
         # 8. evaluate and checkpoint
         if eval_rows and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):

@@ -37,7 +37,35 @@ case "$recipe" in
       --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
       --batch-problems 64 --group-size 8 --micro-batch 2 --max-new-tokens 2048 --lr 5e-7 \
       --gradient-checkpointing --save-every 50 --steps 500 --out-dir runs/grpo-14b "$@" ;;
+  lanpo-7b)  # the same budget as grpo-7b, with LANPO's language feedback
+    accelerate launch lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl \
+      --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
+      --batch-problems 64 --group-size 8 --micro-batch 4 --max-new-tokens 2048 --lr 1e-6 \
+      --gradient-checkpointing --save-every 50 --steps 500 --feedback both --feedback-ratio 0.5 \
+      --attempt-tokens 768 --abstract-max-tokens 256 --out-dir runs/lanpo-7b "$@" ;;
+  ablate)  # the ablation matrix, one run each under runs/ablate/<name>; extra flags go to every run.
+    # CPU by default; LAUNCH="accelerate launch" ./run.sh ablate --model Qwen2.5-1.5B ... on GPUs.
+    [ -n "${LAUNCH:-}" ] || setup_cpu
+    launch=${LAUNCH:-python}
+    while read -r name flags; do
+      echo "== $name: $flags"
+      # shellcheck disable=SC2086
+      $launch lanpo.py --out-dir "runs/ablate/$name" $flags "$@"
+    done <<'MATRIX'
+grpo            --feedback none
+lanpo           --feedback both
+intra-only      --feedback intra
+inter-only      --feedback inter
+leak-reward     --feedback intra --reflect-mode with-reward
+leak-gold       --feedback intra --reflect-mode with-gold
+inter-raw       --feedback inter --inter-mode raw
+no-relevance    --feedback both --relevance-threshold 0
+ratio-0.25      --feedback both --feedback-ratio 0.25
+ratio-0.75      --feedback both --feedback-ratio 0.75
+strip-grad      --feedback both --feedback-grad strip
+MATRIX
+    ;;
   *)
-    echo "unknown recipe '$recipe'; see the README (default, test, grpo-7b, grpo-14b)" >&2
+    echo "unknown recipe '$recipe'; see the README (default, test, grpo-7b, grpo-14b, lanpo-7b, ablate)" >&2
     exit 2 ;;
 esac

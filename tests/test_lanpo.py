@@ -234,7 +234,7 @@ def test_principles_are_cached_and_refreshed(tiny):
 def _run(tiny_model_dir, out, *extra):
     cfg = lanpo.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "3",
                               "--batch-problems", "2", "--group-size", "4", "--micro-batch", "4",
-                              "--max-new-tokens", "8", "--train-size", "2", "--eval-every", "0",
+                              "--max-new-tokens", "8", "--synthetic-size", "2", "--eval-every", "0",
                               "--relevance-threshold", "0", "--abstract-max-tokens", "8",
                               "--report-to", "none", "--lr", "1e-2", *extra])
     lanpo.main(cfg)
