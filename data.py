@@ -89,9 +89,14 @@ def load_problems(spec: str, split: str, *, size: int = 0, seed: int = 0, levels
     path = Path(spec)
     if path.suffix in (".jsonl", ".json", ".parquet"):
         if not path.is_file():
-            raise SystemExit(f"--dataset {spec}: file not found")
+            raise SystemExit(f"{spec}: file not found")
+        if path.stat().st_size == 0:
+            raise SystemExit(f"{spec}: the file is empty")
         builder = "parquet" if path.suffix == ".parquet" else "json"
-        table = load_dataset(builder, data_files=str(path), split="train")
+        try:
+            table = load_dataset(builder, data_files=str(path), split="train")
+        except Exception as e:  # noqa: BLE001 - any parse failure of a user file becomes one clear message
+            raise SystemExit(f"{spec}: cannot be read as {builder}: {type(e).__name__}: {e}") from None
     else:
         table = load_dataset(spec, split=split)
     rows = validate_rows(table, spec, id_field, problem_field, answer_field)

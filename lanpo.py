@@ -28,6 +28,7 @@ from accelerate.utils import set_seed
 
 import abstract
 import data
+import evaluate
 import grpo
 import math_grader
 import models
@@ -344,13 +345,12 @@ def reference_logprobs(model, ref_model, ids, attn, cmask, cfg: Config) -> torch
 
 
 def evaluate_accuracy(model, tokenizer, rows: list[dict], cfg: Config, eos_ids: list[int]) -> dict[str, float]:
-    """Greedy accuracy on held-out problems, from-scratch prompts (no feedback at test time)."""
-    texts = [prompts.render_prompt(tokenizer, prompts.problem_request(r["problem"]), cfg.one_shot) for r in rows]
-    completions = generate_completions(model, tokenizer, texts, eos_ids=eos_ids, max_new_tokens=cfg.max_new_tokens,
-                                       greedy=True, batch_size=cfg.gen_batch)
-    rewards = grade_all(completions, [r["answer"] for r in rows])
-    return {"eval_accuracy": rewards.mean().item(),
-            "eval_truncated": float(np.mean([c.truncated for c in completions]))}
+    """Greedy accuracy on held-out problems from plain prompts (no feedback at test time), through
+    evaluate.py's code path."""
+    settings = evaluate.EvalSettings(samples=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens,
+                                     one_shot=cfg.one_shot, gen_batch=cfg.gen_batch)
+    _, summary = evaluate.evaluate_rows(model, tokenizer, rows, "zero-shot", settings, eos_ids)
+    return {"eval_accuracy": summary["avg@1"], "eval_truncated": summary["truncated"]}
 
 
 # ----------------------------------------------------------------------------------------------------------

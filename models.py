@@ -63,8 +63,9 @@ def resolve(name: str) -> tuple[str, dict]:
             raise SystemExit(f"--model {name}: GGUF file not found")
         return str(path.parent), {"gguf_file": path.name}
     if Path(name).is_dir():
-        if not (Path(name) / "config.json").exists():
-            raise SystemExit(f"--model {name}: directory has no config.json (not a transformers model)")
+        if not (Path(name) / "config.json").exists() and not is_adapter(name):
+            raise SystemExit(f"--model {name}: directory has neither config.json (a model) nor "
+                             f"adapter_config.json (a LoRA adapter)")
         return name, {}
     if name in ALIASES:
         return ALIASES[name], {}
@@ -72,6 +73,10 @@ def resolve(name: str) -> tuple[str, dict]:
         return name, {}  # a hub id, e.g. Qwen/Qwen2.5-7B
     raise SystemExit(f"--model {name}: not a known alias ({', '.join(sorted(ALIASES))}), "
                      f"a local directory, a .gguf file, '{EMBEDDED}', or an owner/name hub id")
+
+
+def is_adapter(name: str) -> bool:
+    return (Path(name) / "adapter_config.json").exists()
 
 
 def load_tokenizer(name: str):
@@ -87,11 +92,17 @@ def load_tokenizer(name: str):
 
 def load_policy(name: str, dtype: torch.dtype, gradient_checkpointing: bool = False, lora_rank: int = 0,
                 lora_alpha: int = 32, lora_targets: str = "all-linear"):
-    """The trainable policy (a peft model when lora_rank > 0)."""
+    """The trainable policy (a peft model when lora_rank > 0). A LoRA checkpoint directory loads as its
+    base model with the adapter merged."""
     from transformers import AutoModelForCausalLM
 
     path, kwargs = resolve(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if is_adapter(path):  # a saved LoRA run: its base with the adapter merged in
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     if getattr(model, "hf_quantizer", None) is not None and "gguf_file" in kwargs:
         model.hf_quantizer = None  # GGUF weights are de-quantized on load; they train like any others
     model.config.use_cache = False

