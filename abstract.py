@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from math_grader import extract_answer
 from pool import ExperiencePool, Trial
 from prompts import FORMAT_INSTRUCTION, render_prompt
 from reflect import shorten
@@ -71,9 +72,29 @@ def principles_request(problem: str, experiences: list[Trial]) -> str:
             "copy numbers or final answers from the examples.")
 
 
-def clean_principles(text: str) -> str:
-    """Principles must not carry final answers: drop any \\boxed{...} the model wrote anyway."""
-    text = re.sub(r"\\boxed\s*\{[^{}]*\}", "[answer removed]", text)
+def clean_principles(text: str, other_answers: list[str | None] = ()) -> str:
+    """Principles must not carry final answers. Replaced by "[answer removed]": every \\boxed{...} or
+    \\fbox{...} (nested braces included; an unclosed one, cut off by the length limit, takes the rest of
+    its line), every "answer is X", and every whole-word occurrence of the final answers of the shown
+    experiences that has two or more characters (single digits would also hit list numbering)."""
+    out, pos = [], 0
+    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        if m.start() < pos:
+            continue  # inside a box already removed
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth:  # unclosed: drop to the end of the line
+            newline = text.find("\n", m.end())
+            i = len(text) if newline < 0 else newline
+        out.append(text[pos:m.start()] + "[answer removed]")
+        pos = i
+    text = "".join(out) + text[pos:]
+    text = re.sub(r"(answer (?:is|was|=)\s*)(?!\[answer removed\])[^\s,.;]+", r"\1[answer removed]", text,
+                  flags=re.IGNORECASE)
+    for answer in {a.strip() for a in other_answers if a and len(a.strip()) >= 2}:
+        text = re.sub(r"(?<![\w.])" + re.escape(answer) + r"(?!\w|\.\d)", "[answer removed]", text)
     return text.strip()
 
 
@@ -156,7 +177,7 @@ def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], ca
         requests = [render_prompt(tokenizer, principles_request(p["problem"], k), one_shot=False) for p, k in needs]
         outs = generate_completions(model, tokenizer, requests, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
                                     greedy=True, batch_size=gen_batch)
-        made = [clean_principles(o.text) for o in outs]
+        made = [clean_principles(o.text, [extract_answer(t.response) for t in k]) for o, (_, k) in zip(outs, needs)]
         stats.principles_tokens = [len(o.completion_ids) for o in outs]
     else:
         made = []

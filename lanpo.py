@@ -397,7 +397,13 @@ def truncate_metrics(path: Path, done_steps: int) -> None:
     """On resume, drop lines of steps after the checkpoint (they run again), so each step appears once."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= done_steps]
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= done_steps:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):  # a line torn by the kill that interrupted the run
+            continue
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)

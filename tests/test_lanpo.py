@@ -227,6 +227,11 @@ def test_principles_are_cached_and_refreshed(tiny):
     _, s3 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 4, **kw)
     assert (s1.made, s2.made, s2.cached, s3.made) == (1, 0, 1, 1)
     assert abstract.clean_principles("use \\boxed{12} carefully") == "use [answer removed] carefully"
+    assert abstract.clean_principles("a \\boxed{\\frac{1}{2}} b \\fbox{3}") == "a [answer removed] b [answer removed]"
+    assert abstract.clean_principles("is \\boxed{128.\nNext line \\boxed{1") == "is [answer removed]\nNext line [answer removed]"
+    assert abstract.clean_principles("The correct answer is 23. Check 230 and 23.5", ["23", "7"]) == \
+        "The correct answer is [answer removed]. Check 230 and 23.5"
+    assert abstract.clean_principles("1. Add 16 apples, not 17", ["16", "1"]) == "1. Add [answer removed] apples, not 17"
 
 
 # ------------------------------------------------------------------------------------------------ end to end

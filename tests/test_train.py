@@ -91,3 +91,10 @@ def test_problems_for_step_is_a_seeded_permutation():
     assert sorted(ids[:10]) == [str(i) for i in range(10)]  # first epoch covers every problem once
     assert ids == [r["id"] for s in range(5) for r in lanpo.problems_for_step(rows, s, 4, seed=1)]
     assert ids != [r["id"] for s in range(5) for r in lanpo.problems_for_step(rows, s, 4, seed=2)]
+
+
+def test_resume_drops_rerun_and_torn_metric_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a": 3}\n{"step": 4, "a"')
+    lanpo.truncate_metrics(path, 2)
+    assert path.read_text() == '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
