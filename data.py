@@ -7,7 +7,9 @@ generator). Rows are validated on load; a bad row is an error that names the fil
 
 from __future__ import annotations
 
+import json
 import random
+from collections import Counter
 from pathlib import Path
 
 NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Mia", "Ken", "Zoe"]
@@ -76,52 +78,106 @@ def synthetic_arith(split: str, size: int, seed: int, levels: list[int], train_s
 
 
 def load_problems(spec: str, split: str, *, size: int = 0, seed: int = 0, levels: list[int] | None = None,
-                  train_size: int = 2000, id_field: str = "id", problem_field: str = "problem", answer_field: str = "answer") -> list[dict]:
-    """Problems from `spec`: 'synthetic:arith', a local file, or a hub dataset name (split = its split).
+                  train_size: int = 2000, id_field: str = "id", problem_field: str = "problem",
+                  answer_field: str = "answer", skip_bad: bool = False) -> tuple[list[dict], Counter]:
+    """Problems from `spec`: 'synthetic:arith', a local file, or a hub dataset name (split = its split),
+    and the count of skipped rows by reason (empty unless `skip_bad`).
     size > 0 keeps the first `size` rows (files) or generates that many (synthetic; held-out splits avoid
     the first `train_size` train problems)."""
     if spec.startswith("synthetic:"):
         if spec != "synthetic:arith":
             raise SystemExit(f"--dataset {spec}: the built-in generator is 'synthetic:arith'")
-        return synthetic_arith(split, size or train_size, seed, levels or list(range(1, ARITH_LEVELS + 1)), train_size)
-    from datasets import load_dataset
+        levels = levels or list(range(1, ARITH_LEVELS + 1))
+        return synthetic_arith(split, size or train_size, seed, levels, train_size), Counter()
+    rows, skipped = validate_rows(read_records(spec, split), spec, id_field, problem_field, answer_field, skip_bad)
+    return (rows[:size] if size else rows), skipped
 
+
+def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
+    """(where, record) pairs; `where` names the row in messages ('line 7' of a .jsonl, else 'row 6').
+    JSON Lines are parsed here, line by line, so a broken line is named; parquet and hub data go
+    through `datasets`."""
     path = Path(spec)
     if path.suffix in (".jsonl", ".json", ".parquet"):
         if not path.is_file():
             raise SystemExit(f"{spec}: file not found")
         if path.stat().st_size == 0:
             raise SystemExit(f"{spec}: the file is empty")
-        builder = "parquet" if path.suffix == ".parquet" else "json"
+    if path.suffix == ".jsonl":
+        records = []
+        for line_no, raw in enumerate(path.read_bytes().splitlines(), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SystemExit(f"{spec}: line {line_no} is not valid UTF-8 (byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{spec}: line {line_no} is not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise SystemExit(f"{spec}: line {line_no} is not a JSON object")
+            records.append((f"line {line_no}", record))
+        return records
+    if path.suffix == ".json":
         try:
-            table = load_dataset(builder, data_files=str(path), split="train")
-        except Exception as e:  # noqa: BLE001 - any parse failure of a user file becomes one clear message
-            raise SystemExit(f"{spec}: cannot be read as {builder}: {type(e).__name__}: {e}") from None
-    else:
-        table = load_dataset(spec, split=split)
-    rows = validate_rows(table, spec, id_field, problem_field, answer_field)
-    return rows[:size] if size else rows
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SystemExit(f"{spec}: not valid UTF-8 JSON ({e})") from None
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            raise SystemExit(f"{spec}: expected a JSON list of objects")
+        return [(f"item {i}", r) for i, r in enumerate(data)]
+    from datasets import load_dataset
+
+    try:
+        table = (load_dataset("parquet", data_files=str(path), split="train") if path.suffix == ".parquet"
+                 else load_dataset(spec, split=split))
+    except Exception as e:  # noqa: BLE001 - any load failure of user data becomes one clear message
+        raise SystemExit(f"{spec}: cannot be loaded: {type(e).__name__}: {e}") from None
+    return [(f"row {i}", r) for i, r in enumerate(table)]
 
 
-def validate_rows(table, source: str, id_field: str, problem_field: str, answer_field: str) -> list[dict]:
-    """Rows as {id, problem, answer} strings; SystemExit naming source and row for anything unusable."""
-    columns = set(table.column_names)
+def validate_rows(records: list[tuple[str, dict]], source: str, id_field: str, problem_field: str,
+                  answer_field: str, skip_bad: bool = False) -> tuple[list[dict], Counter]:
+    """Rows as {id, problem, answer} strings. A row with a missing, empty or non-string problem or answer
+    (numbers are accepted as answers), a repeated id, or a repeated problem (same text up to whitespace)
+    stops the run with a message naming source and row, or, with `skip_bad`, is dropped and counted."""
+    if not records:
+        raise SystemExit(f"{source}: no rows")
+    columns = set(records[0][1])
     for flag, name in (("--problem-field", problem_field), ("--answer-field", answer_field)):
         if name not in columns:
             raise SystemExit(f"{source}: no column {name!r} ({flag}); columns are {sorted(columns)}")
-    rows, seen_ids = [], set()
-    for index, row in enumerate(table):
-        problem, answer = row[problem_field], row[answer_field]
+    rows, seen_ids, seen_problems, skipped = [], set(), {}, Counter()
+
+    def bad(where: str, reason: str, message: str) -> None:
+        if not skip_bad:
+            raise SystemExit(f"{source}: {where} {message} (--skip-bad-rows drops such rows)")
+        skipped[reason] += 1
+
+    for index, (where, row) in enumerate(records):
+        problem, answer = row.get(problem_field), row.get(answer_field)
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
-        for name, value in ((problem_field, problem), (answer_field, answer)):
-            if not isinstance(value, str) or not value.strip():
-                raise SystemExit(f"{source}: row {index} has an empty or non-string {name!r}: {value!r}")
-        row_id = str(row[id_field]) if id_field in columns and row[id_field] is not None else f"row-{index:06d}"
+        broken = [name for name, value in ((problem_field, problem), (answer_field, answer))
+                  if not isinstance(value, str) or not value.strip()]
+        if broken:
+            bad(where, "empty_or_non_string", f"has an empty, missing or non-string {broken[0]!r}: "
+                                              f"{row.get(broken[0])!r}")
+            continue
+        raw_id = row.get(id_field)
+        row_id = str(raw_id) if raw_id is not None else f"row-{index:06d}"
         if row_id in seen_ids:
-            raise SystemExit(f"{source}: row {index} repeats id {row_id!r}")
+            bad(where, "duplicate_id", f"repeats id {row_id!r}")
+            continue
+        key = " ".join(problem.split())
+        if key in seen_problems:
+            bad(where, "duplicate_problem", f"repeats the problem of id {seen_problems[key]!r}")
+            continue
         seen_ids.add(row_id)
+        seen_problems[key] = row_id
         rows.append({"id": row_id, "problem": problem.strip(), "answer": answer.strip()})
     if not rows:
-        raise SystemExit(f"{source}: no rows")
-    return rows
+        raise SystemExit(f"{source}: no usable rows ({dict(skipped)})")
+    return rows, skipped

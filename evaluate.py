@@ -177,11 +177,11 @@ def load_benchmark(name: str, data_dir: Path, limit: int, seed: int, split: str)
         path = data_dir / BENCHMARKS[name]
         if not path.exists():
             raise SystemExit(f"benchmark {name}: {path} not found (set --data-dir)")
-        rows = data.load_problems(str(path), split)
+        rows, _ = data.load_problems(str(path), split)
     elif name.startswith("hub:"):
-        rows = data.load_problems(name[4:], split)
+        rows, _ = data.load_problems(name[4:], split)
     elif name.startswith("synthetic:") or Path(name).suffix in (".jsonl", ".json", ".parquet"):
-        rows = data.load_problems(name, "test" if name.startswith("synthetic:") else split, size=max(limit, 0))
+        rows, _ = data.load_problems(name, "test" if name.startswith("synthetic:") else split, size=max(limit, 0))
     else:
         raise SystemExit(f"unknown benchmark {name!r}: use one of {sorted(BENCHMARKS)}, a .jsonl/.json/.parquet "
                          f"path, synthetic:arith, or hub:<dataset>")

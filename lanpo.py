@@ -68,6 +68,9 @@ class Config:
     id_field: str = _f("id", "dataset column with a unique problem id (row index when absent)")
     problem_field: str = _f("problem", "dataset column with the problem text")
     answer_field: str = _f("answer", "dataset column with the gold answer")
+    skip_bad_rows: bool = _f(False, "drop unusable rows (empty/non-string fields, repeated ids or problems, prompts "
+                             "over --max-prompt-tokens) and log how many, instead of stopping with an error")
+    max_prompt_tokens: int = _f(1024, "longest plain prompt allowed for a training problem, in tokens")
     one_shot: bool = _f(True, "show one worked example turn before each problem (teaches \\boxed to small models)")
     # --- evaluation
     eval_dataset: str = _f("", "held-out problems; empty = the 'test' split of synthetic:arith, or none for files")
@@ -96,6 +99,10 @@ class Config:
     eps_low: float = _f(0.2, "PPO clip below: ratio >= 1 - eps_low")
     eps_high: float = _f(0.2, "PPO clip above: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)")
     beta: float = _f(0.0, "KL(pi || pi_ref) coefficient, k3 estimator; 0 skips the reference model entirely")
+    drop_zero_adv_groups: bool = _f(False, "leave groups whose G rewards are all equal (zero advantage) out of the "
+                                    "update, so they do not dilute the loss normaliser (DAPO-style filtering)")
+    max_bad_updates: int = _f(3, "stop after this many optimizer updates in a row with a non-finite loss or gradient "
+                              "(each one is skipped, not applied)")
     # --- LANPO: language feedback for exploration
     feedback: str = _f("both", "language feedback: none (plain GRPO), intra (reflection on own earlier attempts), "
                        "inter (principles from similar problems), both", choices=["none", "intra", "inter", "both"])
@@ -159,12 +166,31 @@ def check_config(cfg: Config) -> None:
         raise SystemExit(f"--feedback-ratio must be in [0, 1], got {cfg.feedback_ratio}")
     if not 0.0 <= cfg.relevance_threshold <= 1.0:
         raise SystemExit(f"--relevance-threshold must be in [0, 1], got {cfg.relevance_threshold}")
-    for name in ("reflect_attempts", "attempt_tokens", "inter_candidates", "abstract_refresh",
+    for name in ("max_bad_updates", "reflect_attempts", "attempt_tokens", "inter_candidates", "abstract_refresh",
                  "abstract_max_tokens", "pool_per_problem", "pool_max_problems"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.temperature <= 0:
         raise SystemExit("--temperature must be > 0 for sampling (evaluation decodes greedily on its own)")
+
+
+def drop_long_prompts(rows: list[dict], tokenizer, cfg: Config, skipped) -> list[dict]:
+    """Rows whose plain prompt fits --max-prompt-tokens; a longer one is an error naming it, or with
+    --skip-bad-rows is dropped and counted in `skipped`."""
+    kept = []
+    for row in rows:
+        text = prompts.render_prompt(tokenizer, prompts.problem_request(row["problem"]), cfg.one_shot)
+        n = len(tokenizer(text, add_special_tokens=False).input_ids)
+        if n <= cfg.max_prompt_tokens:
+            kept.append(row)
+        elif cfg.skip_bad_rows:
+            skipped["prompt_too_long"] += 1
+        else:
+            raise SystemExit(f"{cfg.dataset}: problem {row['id']!r} makes a {n}-token prompt, over "
+                             f"--max-prompt-tokens {cfg.max_prompt_tokens} (--skip-bad-rows drops such rows)")
+    if not kept:
+        raise SystemExit(f"{cfg.dataset}: no problem fits --max-prompt-tokens {cfg.max_prompt_tokens}")
+    return kept
 
 
 def parse_levels(text: str) -> list[int]:
@@ -263,6 +289,7 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
     window_tokens = sum(len(c.completion_ids) for c in completions)
     stats: dict[str, list[float]] = {}
     timings = {"time_logprob": 0.0, "time_update": 0.0}
+    skipped = 0
 
     t0 = time.perf_counter()
     old_logps, ref_logps = [None] * len(micro), [None] * len(micro)
@@ -294,15 +321,19 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
             s["entropy"] = (entropy.sum() / cmask.sum().clamp(min=1)).item()
             for k, v in s.items():
                 stats.setdefault(k, []).append((v, weight))
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-        stats.setdefault("grad_norm", []).append((float(grad_norm), 1.0))
-        optimizer.step()
-        scheduler.step()
+        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf")))
+        if math.isfinite(grad_norm):
+            stats.setdefault("grad_norm", []).append((grad_norm, 1.0))
+            optimizer.step()
+            scheduler.step()
+        else:  # a NaN/inf loss or gradient anywhere: this update is dropped, the weights stay as they were
+            skipped += 1
         optimizer.zero_grad(set_to_none=True)
     timings["time_update"] = time.perf_counter() - t0
     out = {k: sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1e-9) for k, vals in stats.items()}
     out["loss"] = sum(v for v, _ in stats["loss"]) / cfg.ppo_epochs  # micro-batch losses add up to the batch loss
-    return {**out, **timings}
+    out.setdefault("grad_norm", float("nan"))
+    return {**out, **timings, "skipped_updates": float(skipped)}
 
 
 def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
@@ -333,6 +364,21 @@ def feedback_metrics(a: abstract.AbstractionStats, pool: ExperiencePool, complet
         "time_relevance": a.time_relevance,
         "time_abstraction": a.time_abstraction,
     }
+
+
+NO_UPDATE = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 1.0, "kl": 0.0, "loss": 0.0, "entropy": 0.0,
+             "grad_norm": 0.0, "time_logprob": 0.0, "time_update": 0.0, "skipped_updates": 0.0}  # nothing to learn
+
+
+@contextlib.contextmanager
+def oom_hint(phase: str, remedy: str, out_dir: Path):
+    """Turn an accelerator out-of-memory error into a message that says what to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        saved = [p.name for p in checkpoint_dirs(out_dir)]
+        raise SystemExit(f"out of memory during {phase}: try {remedy}. Checkpoints so far: {saved or 'none'} "
+                         f"(resume with --resume)") from None
 
 
 def reference_logprobs(model, ref_model, ids, attn, cmask, cfg: Config) -> torch.Tensor:
@@ -373,24 +419,33 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int, pool:
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if accelerator.is_main_process:
-        (tmp / "lanpo_state.json").write_text(json.dumps({"step": step}))
-        pool.save(tmp / "pool.jsonl")
-        (tmp / "lessons_cache.json").write_text(json.dumps(lessons_cache))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in checkpoint_dirs(out_dir)[:-keep_last]:
-            shutil.rmtree(old)
+    try:
+        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            (tmp / "lanpo_state.json").write_text(json.dumps({"step": step}))
+            pool.save(tmp / "pool.jsonl")
+            (tmp / "lessons_cache.json").write_text(json.dumps(lessons_cache))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in checkpoint_dirs(out_dir)[:-keep_last]:
+                shutil.rmtree(old)
+    except OSError as e:  # disk full, permissions, quota: say where, keep every earlier checkpoint
+        earlier = [p.name for p in checkpoint_dirs(out_dir)]
+        raise SystemExit(f"cannot write checkpoint {tmp}: {e.strerror or e}. Earlier checkpoints are intact: "
+                         f"{earlier or 'none'}") from None
     accelerator.wait_for_everyone()
     return final
 
 
 def append_metrics(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """One JSON line, flushed to disk before the next step (a kill can tear only this line)."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise SystemExit(f"cannot append to {path}: {e.strerror or e}") from None
 
 
 def truncate_metrics(path: Path, done_steps: int) -> None:
@@ -435,12 +490,13 @@ def main(cfg: Config) -> None:
     # --- data (validated before any model is loaded)
     levels = parse_levels(cfg.levels)
     train_size = cfg.synthetic_size if cfg.dataset.startswith("synthetic:") else cfg.train_size
-    train_rows = data.load_problems(cfg.dataset, cfg.split, size=train_size, seed=cfg.seed, levels=levels,
-                                    id_field=cfg.id_field, problem_field=cfg.problem_field, answer_field=cfg.answer_field)
+    train_rows, skipped = data.load_problems(cfg.dataset, cfg.split, size=train_size, seed=cfg.seed, levels=levels,
+                                             id_field=cfg.id_field, problem_field=cfg.problem_field,
+                                             answer_field=cfg.answer_field, skip_bad=cfg.skip_bad_rows)
     eval_spec = cfg.eval_dataset or (cfg.dataset if cfg.dataset.startswith("synthetic:") else "")
     eval_rows = data.load_problems(eval_spec, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed, levels=levels,
                                    train_size=train_size, id_field=cfg.id_field, problem_field=cfg.problem_field,
-                                   answer_field=cfg.answer_field) if eval_spec and cfg.eval_every else []
+                                   answer_field=cfg.answer_field)[0] if eval_spec and cfg.eval_every else []
 
     # --- model, reference, optimizer
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
@@ -449,6 +505,9 @@ def main(cfg: Config) -> None:
     model = models.load_policy(cfg.model, dtype, cfg.gradient_checkpointing, cfg.lora_rank, cfg.lora_alpha,
                                cfg.lora_targets)
     eos_ids = models.eos_token_ids(model, tokenizer)
+    train_rows = drop_long_prompts(train_rows, tokenizer, cfg, skipped)
+    if skipped:
+        accelerator.print(f"skipped {sum(skipped.values())} bad rows of {cfg.dataset}: {dict(skipped)}")
     ref_model = None
     if cfg.beta > 0 and cfg.lora_rank == 0:
         ref_model = models.load_policy(cfg.model, dtype).eval().requires_grad_(False).to(accelerator.device)
@@ -490,6 +549,8 @@ def main(cfg: Config) -> None:
 
     from tqdm.auto import tqdm
 
+    bad_in_row = 0  # consecutive optimizer updates skipped for a non-finite loss or gradient
+
     progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps,
                     disable=not accelerator.is_main_process, desc="lanpo")
     for step in progress:
@@ -511,9 +572,11 @@ def main(cfg: Config) -> None:
 
         # 2. sample G rollouts per problem
         t0 = time.perf_counter()
-        completions = generate_completions(policy, tokenizer, [p.text for p in rollout_prompts], eos_ids=eos_ids,
-                                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                           top_p=cfg.top_p, batch_size=cfg.gen_batch)
+        with oom_hint("sampling", f"--gen-batch {max(1, cfg.gen_batch // 2)}", out_dir):
+            completions = generate_completions(policy, tokenizer, [p.text for p in rollout_prompts],
+                                               eos_ids=eos_ids, max_new_tokens=cfg.max_new_tokens,
+                                               temperature=cfg.temperature, top_p=cfg.top_p,
+                                               batch_size=cfg.gen_batch)
         time_generate = time.perf_counter() - t0
 
         # 3. grade against the gold answers (numerical reward; feedback never changes it)
@@ -531,8 +594,20 @@ def main(cfg: Config) -> None:
             train_on = [c if p.kind == "scratch" else dataclasses.replace(
                 c, prompt_ids=torch.tensor(tokenizer(p.plain, add_special_tokens=False).input_ids))
                 for c, p in zip(completions, rollout_prompts)]
-        update_stats = policy_update(model, ref_model, optimizer, scheduler, accelerator, train_on,
-                                     advantages, cfg, tokenizer.pad_token_id, behaviour)
+        keep = list(range(len(completions)))
+        if cfg.drop_zero_adv_groups:  # groups with equal rewards carry no signal: leave them out entirely
+            live = rewards.view(-1, cfg.group_size).std(dim=1) > 0
+            keep = [i for i in keep if live[i // cfg.group_size]]
+        with oom_hint("the policy update", f"--micro-batch {max(1, cfg.micro_batch // 2)} or "
+                      "--gradient-checkpointing", out_dir):
+            update_stats = policy_update(model, ref_model, optimizer, scheduler, accelerator,
+                                         [train_on[i] for i in keep], advantages[keep], cfg, tokenizer.pad_token_id,
+                                         [behaviour[i] for i in keep] if behaviour else None) if keep else NO_UPDATE
+        bad_in_row = bad_in_row + int(update_stats["skipped_updates"]) if update_stats["skipped_updates"] else 0
+        if bad_in_row >= cfg.max_bad_updates:
+            raise SystemExit(f"{bad_in_row} optimizer updates in a row had a non-finite loss or gradient (step "
+                             f"{step + 1}); none was applied. Lower --lr or --max-grad-norm, or check the data. "
+                             f"Checkpoints so far: {[p.name for p in checkpoint_dirs(out_dir)]}")
 
         # 6. remember every trial: the pool feeds reflection and abstraction in later steps
         pool.add([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, r, step + 1)

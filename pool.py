@@ -156,7 +156,12 @@ class ExperiencePool:
         everything = sorted((t for ts in self.trials.values() for t in ts), key=lambda t: t.step)
         with open(tmp, "w", encoding="utf-8") as f:
             for trial in everything:
-                f.write(json.dumps(asdict(trial), ensure_ascii=False) + "\n")
+                line = json.dumps(asdict(trial), ensure_ascii=False)
+                try:
+                    line.encode("utf-8")
+                except UnicodeEncodeError:  # lone surrogates cannot be UTF-8: escape this line, exactly
+                    line = json.dumps(asdict(trial))
+                f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -7,6 +7,8 @@ that contains a chat-special token such as `<|im_start|>` cannot open a forged t
 
 from __future__ import annotations
 
+import re
+
 FORMAT_INSTRUCTION = "Put your final answer in \\boxed{}."
 
 # One worked example as a prior chat turn. Small models (SmolLM2-135M) almost never box an answer without
@@ -19,9 +21,15 @@ ONE_SHOT = [
 ZERO_WIDTH_SPACE = "\u200b"
 
 
+def encodable(text: str) -> str:
+    """Lone surrogates (from bytes decoded with surrogateescape) cannot be tokenized: U+FFFD instead."""
+    return re.sub("[\ud800-\udfff]", "\ufffd", text)
+
+
 def neutralize(text: str, special_tokens: list[str]) -> str:
     """Break every special-token string in `text` with a zero-width space, so the tokenizer reads it as
-    ordinary characters, never as a control token."""
+    ordinary characters, never as a control token; lone surrogates (not encodable) become U+FFFD."""
+    text = encodable(text)
     for token in special_tokens:
         if len(token) > 1 and token in text:
             text = text.replace(token, token[0] + ZERO_WIDTH_SPACE + token[1:])

@@ -10,7 +10,7 @@ only to be measured against (`--reflect-mode with-reward|with-gold`).
 
 from __future__ import annotations
 
-from prompts import FORMAT_INSTRUCTION
+from prompts import FORMAT_INSTRUCTION, encodable
 
 ELISION = "\n[... middle of the attempt omitted ...]\n"
 
@@ -18,6 +18,7 @@ ELISION = "\n[... middle of the attempt omitted ...]\n"
 def shorten(text: str, tokenizer, max_tokens: int) -> str:
     """Keep the first and last tokens of a long attempt (the approach and the final answer) within
     `max_tokens`; the middle is replaced by a marker."""
+    text = encodable(text)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) <= max_tokens:
         return text

@@ -31,18 +31,18 @@ case "$recipe" in
     accelerate launch lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl \
       --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
       --batch-problems 64 --group-size 8 --micro-batch 4 --max-new-tokens 2048 --lr 1e-6 \
-      --gradient-checkpointing --save-every 50 --steps 500 --out-dir runs/grpo-7b "$@" ;;
+      --gradient-checkpointing --save-every 50 --steps 500 --skip-bad-rows --out-dir runs/grpo-7b "$@" ;;
   grpo-14b)
     accelerate launch lanpo.py --model Qwen2.5-14B --dataset ../shared/data/math_train.jsonl \
       --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
       --batch-problems 64 --group-size 8 --micro-batch 2 --max-new-tokens 2048 --lr 5e-7 \
-      --gradient-checkpointing --save-every 50 --steps 500 --out-dir runs/grpo-14b "$@" ;;
+      --gradient-checkpointing --save-every 50 --steps 500 --skip-bad-rows --out-dir runs/grpo-14b "$@" ;;
   lanpo-7b)  # the same budget as grpo-7b, with LANPO's language feedback
     accelerate launch lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl \
       --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
       --batch-problems 64 --group-size 8 --micro-batch 4 --max-new-tokens 2048 --lr 1e-6 \
       --gradient-checkpointing --save-every 50 --steps 500 --feedback both --feedback-ratio 0.5 \
-      --attempt-tokens 768 --abstract-max-tokens 256 --out-dir runs/lanpo-7b "$@" ;;
+      --attempt-tokens 768 --abstract-max-tokens 256 --skip-bad-rows --out-dir runs/lanpo-7b "$@" ;;
   ablate)  # the ablation matrix, one run each under runs/ablate/<name>; extra flags go to every run.
     # CPU by default; LAUNCH="accelerate launch" ./run.sh ablate --model Qwen2.5-1.5B ... on GPUs.
     [ -n "${LAUNCH:-}" ] || setup_cpu

@@ -32,17 +32,17 @@ def test_synthetic_test_split_is_unseen():
 def test_local_jsonl_loads_and_bad_rows_are_named(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps({"id": f"p{i}", "q": f"What is {i}+1?", "a": i + 1}) + "\n" for i in range(5)))
-    rows = data.load_problems(str(good), "train", problem_field="q", answer_field="a")
+    rows, _ = data.load_problems(str(good), "train", problem_field="q", answer_field="a")
     assert rows[2] == {"id": "p2", "problem": "What is 2+1?", "answer": "3"}
     with pytest.raises(SystemExit, match="no column 'problem'"):
         data.load_problems(str(good), "train")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"problem": "ok", "answer": "1"}) + "\n" + json.dumps({"problem": " ", "answer": "2"}) + "\n")
-    with pytest.raises(SystemExit, match=r"bad.jsonl: row 1 has an empty"):
+    with pytest.raises(SystemExit, match=r"bad.jsonl: line 2 has an empty"):
         data.load_problems(str(bad), "train")
     dup = tmp_path / "dup.jsonl"
     dup.write_text("".join(json.dumps({"id": "same", "problem": "p", "answer": "1"}) + "\n" for _ in range(2)))
-    with pytest.raises(SystemExit, match="row 1 repeats id 'same'"):
+    with pytest.raises(SystemExit, match="line 2 repeats id 'same'"):
         data.load_problems(str(dup), "train")
     with pytest.raises(SystemExit, match="file not found"):
         data.load_problems(str(tmp_path / "missing.jsonl"), "train")
@@ -52,5 +52,41 @@ def test_shared_math500_loads():
     path = SHARED_DATA / "math500.jsonl"
     if not path.exists():
         pytest.skip(f"{path} not present")
-    rows = data.load_problems(str(path), "train", size=10)
+    rows, _ = data.load_problems(str(path), "train", size=10)
     assert len(rows) == 10 and rows[0]["id"] == "math500-0001" and rows[2]["answer"] == "\\frac{14}{3}"
+
+
+def test_every_kind_of_bad_row_is_named_or_skipped_and_counted(tmp_path):
+    lines = [json.dumps({"id": "a", "problem": "What is 1+1?", "answer": "2"}),
+             json.dumps({"id": "b", "problem": 17, "answer": "3"}),                    # non-string problem
+             json.dumps({"id": "c", "problem": "What is 2+2?"}),                       # missing answer
+             json.dumps({"id": "a", "problem": "What is 3+3?", "answer": "6"}),        # repeated id
+             json.dumps({"id": "e", "problem": "What is  1+1? ", "answer": "2"}),      # repeated problem (whitespace)
+             json.dumps({"id": "f", "problem": "What is 4+4?", "answer": 8})]          # numeric answer: fine
+    path = tmp_path / "messy.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit, match=r"messy.jsonl: line 2 has an empty, missing or non-string 'problem': 17"):
+        data.load_problems(str(path), "train")
+    rows, skipped = data.load_problems(str(path), "train", skip_bad=True)
+    assert [r["id"] for r in rows] == ["a", "f"] and rows[1]["answer"] == "8"
+    assert skipped == {"empty_or_non_string": 2, "duplicate_id": 1, "duplicate_problem": 1}
+    path.write_text(lines[0] + "\n" + lines[4] + "\n")
+    with pytest.raises(SystemExit, match=r"line 2 repeats the problem of id 'a'"):
+        data.load_problems(str(path), "train")
+
+
+def test_broken_files_are_named(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": \n')
+    with pytest.raises(SystemExit, match=r"broken.jsonl: line 2 is not valid JSON"):
+        data.load_problems(str(path), "train")
+    path.write_bytes(b'{"problem": "p", "answer": "1"}\n{"problem": "\xff\xfe", "answer": "1"}\n')
+    with pytest.raises(SystemExit, match=r"broken.jsonl: line 2 is not valid UTF-8"):
+        data.load_problems(str(path), "train")
+    path.write_text('[1, 2]\n')
+    with pytest.raises(SystemExit, match=r"line 1 is not a JSON object"):
+        data.load_problems(str(path), "train")
+    everything_bad = tmp_path / "allbad.jsonl"
+    everything_bad.write_text(json.dumps({"problem": "", "answer": ""}) + "\n")
+    with pytest.raises(SystemExit, match="no usable rows"):
+        data.load_problems(str(everything_bad), "train", skip_bad=True)

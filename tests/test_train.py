@@ -98,3 +98,17 @@ def test_resume_drops_rerun_and_torn_metric_lines(tmp_path):
     path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a": 3}\n{"step": 4, "a"')
     lanpo.truncate_metrics(path, 2)
     assert path.read_text() == '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
+
+
+def test_overlong_prompts_stop_the_run_or_are_skipped(tiny_model_dir, tmp_path, graded_by_parity, capsys):
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1? " * (1 if i else 200),
+                                        "answer": "2"}) + "\n" for i in range(4)))
+    common = ["--model", str(tiny_model_dir), "--dataset", str(path), "--max-prompt-tokens", "300", "--steps", "1",
+              "--batch-problems", "2", "--group-size", "2", "--micro-batch", "4", "--max-new-tokens", "4",
+              "--report-to", "none", "--eval-every", "0"]
+    with pytest.raises(SystemExit, match=r"problem 'p0' makes a \d+-token prompt, over --max-prompt-tokens 300"):
+        lanpo.main(lanpo.parse_config(common + ["--out-dir", str(tmp_path / "a")]))
+    lanpo.main(lanpo.parse_config(common + ["--out-dir", str(tmp_path / "b"), "--skip-bad-rows"]))
+    out = capsys.readouterr().out
+    assert "skipped 1 bad rows" in out and "'prompt_too_long': 1" in out
