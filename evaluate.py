@@ -117,9 +117,11 @@ def _record(row: dict, prompt: str, outs) -> dict:
 
 
 def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings, eos_ids: list[int],
-                  pool: ExperiencePool | None = None) -> tuple[list[dict], dict[str, float]]:
+                  pool: ExperiencePool | None = None,
+                  first_turn: list[dict] | None = None) -> tuple[list[dict], dict[str, float]]:
     """Per-problem records and the summary for one benchmark in one mode. In `reflect` mode each record
-    also holds the second turn (`turn2_*`), and the summary the turn-2 metrics and the flips."""
+    also holds the second turn (`turn2_*`), and the summary the turn-2 metrics and the flips; turn 1 is
+    a zero-shot pass, taken from `first_turn` (zero-shot records of the same rows and seed) when given."""
     if s.temperature == 0 and s.samples != 1:
         raise SystemExit("greedy decoding (--temperature 0) gives one distinct sample: use --samples 1")
     k = s.samples
@@ -137,8 +139,11 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings
         if row["id"] in lessons:
             request = abstract.abstraction_request(row["problem"], lessons[row["id"]])
         texts.append(prompts.render_prompt(tokenizer, request, s.one_shot))
-    outs = _sample(model, tokenizer, [t for t in texts for _ in range(k)], s, eos_ids)
-    records = [_record(row, text, outs[i * k:(i + 1) * k]) for i, (row, text) in enumerate(zip(rows, texts))]
+    if mode == "reflect" and first_turn is not None:
+        records = [dict(r) for r in first_turn]
+    else:
+        outs = _sample(model, tokenizer, [t for t in texts for _ in range(k)], s, eos_ids)
+        records = [_record(row, text, outs[i * k:(i + 1) * k]) for i, (row, text) in enumerate(zip(rows, texts))]
     for r in records:
         r["lessons"] = lessons.get(r["id"], "")
     summary = summarize(records, k)
@@ -271,13 +276,15 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, float]]] = {}
+    args.mode = sorted(set(args.mode), key=MODES.index)  # zero-shot first: reflect reuses it as turn 1
     by_mode: dict[str, dict[str, tuple]] = {m: {} for m in args.mode}
     with open(out_dir / "problems.jsonl", "w", encoding="utf-8") as f:
         for name, rows in benchmarks.items():
             for mode in args.mode:
                 torch.manual_seed(args.seed)
                 t0 = time.perf_counter()
-                records, summary = evaluate_rows(model, tokenizer, rows, mode, settings, eos_ids, pool)
+                zero_shot = by_mode.get("zero-shot", {}).get(name, (None,))[0]  # reflect's turn 1, already run
+                records, summary = evaluate_rows(model, tokenizer, rows, mode, settings, eos_ids, pool, zero_shot)
                 summary["seconds"] = time.perf_counter() - t0
                 results.setdefault(name, {})[mode] = summary
                 by_mode[mode][name] = (records, summary)

