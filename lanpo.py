@@ -721,14 +721,15 @@ def main(cfg: Config) -> ExperiencePool:
             with gathered_for_generation(model, accelerator):
                 record.update(evaluate_accuracy(policy, tokenizer, eval_rows, cfg, eos_ids, accelerator))
             record["time_eval"] = time.perf_counter() - t0
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            save_checkpoint(accelerator, out_dir, step + 1, cfg.keep_last, pool, lessons_cache)
         record["time_step"] = time.perf_counter() - t_step
         if accelerator.is_main_process:
             append_metrics(metrics_path, record)
             if run is not None:
                 run.log(record, step=step + 1)
             progress.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.0f}")
+        # after the metrics line: a kill between the two re-runs this step, never loses its line
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
+            save_checkpoint(accelerator, out_dir, step + 1, cfg.keep_last, pool, lessons_cache)
 
     state_dict = accelerator.get_state_dict(model)  # gathers sharded (ZeRO-3/FSDP) weights; all processes call it
     if accelerator.is_main_process:

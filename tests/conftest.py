@@ -61,3 +61,13 @@ def tiny(tiny_model_dir):
     tokenizer = models.load_tokenizer(str(tiny_model_dir))
     model = models.load_policy(str(tiny_model_dir), torch.float32)
     return model, tokenizer
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """In-process runs each create an Accelerator; its state is a process-wide singleton that would keep
+    the first run's settings (e.g. mixed precision). Reset it after every test."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)

@@ -27,6 +27,11 @@ sys.path.insert(0, {tests!r})
 import math_grader, lanpo
 from test_train import fake_grade
 math_grader.grade = fake_grade  # the tiny random model never answers right: reward length parity
+if "--slow" in sys.argv:  # leave time after each step's metrics line, so a kill lands inside the run
+    import time
+    sys.argv.remove("--slow")
+    write = lanpo.append_metrics
+    lanpo.append_metrics = lambda path, record: (write(path, record), time.sleep(0.3))
 lanpo.main(lanpo.parse_config(sys.argv[1:]))
 """
 
@@ -49,7 +54,8 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tiny_model_dir
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(_cmd(tiny_model_dir, tmp_path / "full"), check=True, env=env, capture_output=True)
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(tiny_model_dir, out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cmd(tiny_model_dir, out, "--slow"), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not (out / "checkpoints" / "step-000003").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
@@ -144,7 +150,7 @@ def test_disk_full_names_the_path_and_keeps_earlier_checkpoints(tiny_model_dir, 
                                          r"Earlier checkpoints are intact: \['step-000001'\]"):
         _run(tiny_model_dir, tmp_path / "run", "--save-every", "1")
     assert (tmp_path / "run" / "checkpoints" / "step-000001" / "lanpo_state.json").exists()
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # re-run on resume
 
 
 NASTY = [
