@@ -72,6 +72,13 @@ def test_lora_uses_the_adapter_free_model_as_reference(tiny_model_dir, tmp_path,
     _, records = run(tiny_model_dir, tmp_path, "--lora-rank", "4", "--beta", "0.1", "--ppo-epochs", "2")
     assert records[1]["kl"] > 0
     assert (tmp_path / "run" / "final" / "adapter_config.json").exists()
+    import evaluate  # a LoRA checkpoint evaluates as its base with the adapter merged
+
+    bench = tmp_path / "b.jsonl"
+    bench.write_text('{"id": "x", "problem": "What is 1 + 1?", "answer": "2"}\n')
+    results = evaluate.main(["--model", str(tmp_path / "run" / "final"), "--benchmarks", str(bench),
+                             "--max-new-tokens", "4", "--out-dir", str(tmp_path / "eval")])
+    assert results["b.jsonl"]["zero-shot"]["problems"] == 1
 
 
 def test_bad_flags_fail_before_compute(tiny_model_dir, tmp_path):
