@@ -11,6 +11,7 @@ mode calls sympy's `parse_expr`, i.e. `eval`, and is not used).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import select
@@ -120,12 +121,39 @@ def as_fraction(s: str) -> Fraction | None:
     return None
 
 
+HUGE = "huge"
+_POWER = re.compile(r"(\d+)\^(?:\{(.+)\}|(\d))")
+
+
+def integer_power(s: str, depth: int = 0):
+    """Value of a pure integer power tower like 10^{10^{3}}, or HUGE past ~5000 digits, or None when `s`
+    is not such a tower. Exact and bounded, where sympy would try to build the number and hang."""
+    if s.isdigit() and len(s) <= 5000:
+        return int(s)
+    m = _POWER.fullmatch(s)
+    if m is None or depth > 50:
+        return None
+    base = int(m.group(1)) if len(m.group(1)) <= 5000 else HUGE
+    exponent = integer_power(m.group(2) or m.group(3), depth + 1)
+    if exponent is None:
+        return None
+    if base in (0, 1) or exponent == 0:
+        return 1 if exponent == 0 else base
+    if base == HUGE or exponent == HUGE or exponent * math.log10(base) > 5000:
+        return HUGE
+    return base ** exponent
+
+
 def fast_verdict(pred: str, gold: str) -> bool | None:
     """True/False when strings or exact numbers settle it, None when a symbolic check is needed."""
     p, g = normalize(pred), normalize(gold)
     if p == g:
         return True
     pf, gf = as_fraction(p), as_fraction(g)
+    if gf is not None and pf is None and "^" in p:  # an integer power tower against a plain number
+        value = integer_power(p)
+        if value is not None:
+            return value != HUGE and Fraction(value) == gf
     if pf is not None and gf is not None:
         return pf == gf
     if p.lower() == g.lower() and not re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", g)):

@@ -1,0 +1,78 @@
+"""LANPO overhead: step time with `--feedback both` against plain GRPO (`--feedback none`) at the same
+B x G, on the embedded model, with few problems so that they recur and both kinds of feedback are used.
+Breaks the extra time down into retrieval, relevance scoring, abstraction and longer prompts, and
+estimates what the lessons cache saved (cached problems x mean cost of one distillation).
+
+    python bench/lanpo_overhead.py                   # 6 steps each, B=4, G=4
+    python bench/lanpo_overhead.py --steps 3         # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(out: Path, feedback: str, args) -> list[dict]:
+    cmd = [sys.executable, str(ROOT / "lanpo.py"), "--feedback", feedback, "--steps", str(args.steps),
+           "--batch-problems", str(args.batch_problems), "--group-size", str(args.group_size),
+           "--micro-batch", str(args.batch_problems * args.group_size // 2), "--synthetic-size",
+           str(2 * args.batch_problems), "--max-new-tokens", "32", "--abstract-max-tokens", "48",
+           "--relevance-threshold", str(args.gamma), "--abstract-refresh", "2", "--eval-every", "0",
+           "--report-to", "none", "--out-dir", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch-problems", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--gamma", type=float, default=0.5,
+                    help="relevance threshold (SmolLM2-135M scores 0.33-0.61: 0.9 would make no principles)")
+    ap.add_argument("--out", default="runs/bench/lanpo_overhead.json")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="lanpo_overhead_"))
+    grpo = run(work / "grpo", "none", args)
+    lanpo = run(work / "lanpo", "both", args)
+    timed = lambda rs, k: [r.get(k, 0.0) for r in rs[1:]]  # noqa: E731 - step 1 has no feedback: warm-up
+    made = sum(r["principles_made"] for r in lanpo)
+    per_distillation = sum(r["time_abstraction"] for r in lanpo) / made if made else 0.0
+    result = {
+        "grpo_step_s": float(np.median(timed(grpo, "time_step"))),
+        "lanpo_step_s": float(np.median(timed(lanpo, "time_step"))),
+        "breakdown_mean_s": {k: float(np.mean(timed(lanpo, k))) - float(np.mean(timed(grpo, k)))
+                             for k in ("time_retrieval", "time_relevance", "time_abstraction", "time_generate",
+                                       "time_update")},
+        "prompt_tokens": {"grpo": float(np.mean(timed(grpo, "prompt_len_mean"))),
+                          "lanpo": float(np.mean(timed(lanpo, "prompt_len_mean")))},
+        "rollouts_by_kind": {k: sum(r[f"{k}/count"] for r in lanpo) for k in ("scratch", "reflect", "abstract")},
+        "principles_made": made, "principles_cached": sum(r["principles_cached"] for r in lanpo),
+        "cache_saved_s_estimate": sum(r["principles_cached"] for r in lanpo) * per_distillation / max(1, len(lanpo)),
+    }
+    result["ratio"] = result["lanpo_step_s"] / result["grpo_step_s"]
+    print(f"B={args.batch_problems} G={args.group_size}, {args.steps} steps each (step 1 not counted)")
+    print(f"median step: GRPO {result['grpo_step_s']:.1f} s, LANPO {result['lanpo_step_s']:.1f} s, "
+          f"ratio {result['ratio']:.2f}")
+    print("extra seconds per step (mean, LANPO - GRPO):")
+    for k, v in result["breakdown_mean_s"].items():
+        print(f"  {k:17s} {v:+.2f}")
+    print(f"prompt tokens per rollout: GRPO {result['prompt_tokens']['grpo']:.0f}, "
+          f"LANPO {result['prompt_tokens']['lanpo']:.0f}")
+    print(f"rollouts by kind: {result['rollouts_by_kind']}; principles made {made:.0f}, served from cache "
+          f"{result['principles_cached']:.0f} (saved ~{result['cache_saved_s_estimate']:.1f} s per step)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Step time and peak memory: lanpo.py (plain GRPO) against TRL's GRPOTrainer on an identical configuration:
+the embedded SmolLM2-135M on CPU, the same synthetic:arith problems and one-shot chat prompt, the same
+reward (math_grader.grade), B problems x G samples, max_new_tokens, one policy epoch, beta = 0, the
+`grpo` loss, group-std advantages, no gradient checkpointing, fp32. Runs alternate (ours, TRL, ours, TRL,
+...) in fresh processes; the first step of every run is warm-up and not counted; the table gives the
+median step time of each side, their ratio, and each side's peak resident memory.
+
+    pip install trl            # benchmark-only dependency (1.16.0 measured)
+    python bench/vs_trl.py                     # 2 rounds x 4 steps, B=4, G=4, 32 new tokens
+    python bench/vs_trl.py --rounds 1 --steps 2  # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TRL_RUN = r'''
+import json, sys, time
+sys.path.insert(0, {root!r})
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+import math_grader, prompts
+
+args = json.loads(sys.argv[1])
+rows = [json.loads(line) for line in open(args["data"])]
+shot = list(prompts.ONE_SHOT)
+dataset = Dataset.from_list([{{"prompt": shot + [{{"role": "user", "content": prompts.problem_request(r["problem"])}}],
+                              "answer": r["answer"]}} for r in rows])
+
+def reward(completions, answer, **kwargs):
+    return [math_grader.grade(c[0]["content"], a) for c, a in zip(completions, answer)]
+
+times = []
+class Timer(TrainerCallback):
+    def on_step_begin(self, *a, **k): self.t = time.perf_counter()
+    def on_step_end(self, *a, **k): times.append(time.perf_counter() - self.t)
+
+n = args["batch_problems"] * args["group_size"]
+config = GRPOConfig(output_dir=args["out"], per_device_train_batch_size=n, num_generations=args["group_size"],
+                    gradient_accumulation_steps=1, max_completion_length=args["max_new_tokens"],
+                    max_steps=args["steps"], learning_rate=2e-6, beta=0.0, loss_type="grpo", num_iterations=1,
+                    temperature=1.0, top_p=1.0, top_k=0, epsilon=0.2, scale_rewards="group", use_cpu=True,
+                    gradient_checkpointing=False, bf16=False, report_to="none", save_strategy="no",
+                    logging_steps=1, seed=args["seed"], disable_dropout=True)
+math_grader.warm_up()
+trainer = GRPOTrainer(model=args["model"], reward_funcs=[reward], args=config, train_dataset=dataset)
+trainer.add_callback(Timer())
+trainer.train()
+json.dump({{"step_times": times}}, open(args["result"], "w"))
+'''
+
+
+def run_child(cmd: list[str], env: dict) -> float:
+    """Run a command to completion; return its peak resident memory in MB."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{cmd[:3]} failed:\n{proc.stderr.read()[-3000:]}")
+    return usage.ru_maxrss / 1024  # Linux reports KiB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2, help="alternating (ours, TRL) pairs")
+    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
+    ap.add_argument("--batch-problems", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--out", default="runs/bench/vs_trl.json")
+    args = ap.parse_args()
+
+    import data
+    import models
+
+    model_dir = str(models.embedded_model_dir())
+    work = Path(tempfile.mkdtemp(prefix="vs_trl_"))
+    rows = list({r["problem"]: r for r in data.synthetic_arith("train", 80, seed=0, levels=[1, 2, 3])}.values())
+    (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = dict(os.environ, WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    ours_times, trl_times, ours_rss, trl_rss = [], [], [], []
+    n = args.batch_problems * args.group_size
+    for r in range(args.rounds):
+        out = work / f"ours-{r}"
+        ours_rss.append(run_child([sys.executable, str(ROOT / "lanpo.py"), "--model", model_dir, "--dataset", str(work / "data.jsonl"),
+                   "--feedback", "none", "--steps", str(args.steps), "--batch-problems", str(args.batch_problems),
+                   "--group-size", str(args.group_size), "--micro-batch", str(n), "--gen-batch", str(n),
+                   "--max-new-tokens", str(args.max_new_tokens), "--eval-every", "0", "--lr", "2e-6",
+                   "--report-to", "none", "--out-dir", str(out)], env))
+        steps = [json.loads(line)["time_step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        ours_times += steps[1:]
+        spec = {"root": str(ROOT), "data": str(work / "data.jsonl"), "model": model_dir, "steps": args.steps,
+                "batch_problems": args.batch_problems, "group_size": args.group_size,
+                "max_new_tokens": args.max_new_tokens, "seed": 0, "out": str(work / f"trl-{r}"),
+                "result": str(work / f"trl-{r}.json")}
+        script = work / "trl_run.py"
+        script.write_text(TRL_RUN.format(root=str(ROOT)))
+        trl_rss.append(run_child([sys.executable, str(script), json.dumps(spec)], env))
+        trl_times += json.loads(Path(spec["result"]).read_text())["step_times"][1:]
+    result = {
+        "config": vars(args), "ours_step_s": ours_times, "trl_step_s": trl_times,
+        "ours_median_s": float(np.median(ours_times)), "trl_median_s": float(np.median(trl_times)),
+        "ratio": float(np.median(ours_times) / np.median(trl_times)),
+        "ours_peak_rss_mb": max(ours_rss), "trl_peak_rss_mb": max(trl_rss),
+    }
+    print(f"B={args.batch_problems} G={args.group_size} max_new_tokens={args.max_new_tokens}, "
+          f"{args.rounds} rounds x {args.steps - 1} timed steps")
+    print("| | median step (s) | peak RSS (MB) |\n|---|---|---|")
+    print(f"| lanpo | {result['ours_median_s']:.2f} | {result['ours_peak_rss_mb']:.0f} |")
+    print(f"| TRL GRPOTrainer | {result['trl_median_s']:.2f} | {result['trl_peak_rss_mb']:.0f} |")
+    print(f"ratio ours/TRL: {result['ratio']:.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
