@@ -2,7 +2,8 @@
 embedded SmolLM2-135M and the built-in data (the default run's settings), held-out greedy accuracy vs
 step for both, the base model's accuracy on the same held-out problems, wall time; a PNG and a table.
 
-    python bench/learning.py                      # 10 steps each, eval every 2 steps (~25 min on 2 cores)
+    python bench/learning.py                      # 6 steps each, eval every 2 steps (~15 min on 2 cores)
+    python bench/learning.py --steps 10           # the README numbers (~25 min)
     python bench/learning.py --steps 2 --eval-every 1   # smoke run
 """
 
@@ -41,7 +42,7 @@ def base_accuracy(cfg: lanpo.Config) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--out-dir", default="runs/bench/learning")
     args = ap.parse_args()
