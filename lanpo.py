@@ -591,6 +591,9 @@ def main(cfg: Config) -> ExperiencePool:
     policy = accelerator.unwrap_model(model)  # generate() lives on the unwrapped module
 
     start_step = 0
+    if not cfg.resume and ((out_dir / "metrics.jsonl").exists() or checkpoint_dirs(out_dir)):
+        raise SystemExit(f"{out_dir} already holds a run (metrics.jsonl or checkpoints): pass --resume to continue "
+                         "it, or choose another --out-dir; nothing there was changed")
     if cfg.resume and checkpoint_dirs(out_dir):
         latest = checkpoint_dirs(out_dir)[-1]
         accelerator.load_state(str(latest))

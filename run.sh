@@ -23,6 +23,10 @@ recipe="${1:-default}"
 case "$recipe" in
   default)  # embedded SmolLM2-135M, built-in arithmetic, CPU, ~10 minutes
     setup_cpu
+    if [ -e runs/default ]; then  # keep the previous run: lanpo.py never writes over one
+      prev="runs/default.$(date +%Y%m%d-%H%M%S)"
+      mv runs/default "$prev" && echo "previous runs/default moved to $prev"
+    fi
     python lanpo.py --out-dir runs/default "$@" ;;
   test)
     setup_cpu

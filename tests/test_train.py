@@ -127,3 +127,11 @@ def test_bf16_mixed_precision_trains(tiny_model_dir, tmp_path, graded_by_parity)
     before, after = _params(tiny_model_dir), _params(tmp_path / "run" / "final")
     assert all(v.dtype == torch.float32 for v in after.values())  # master weights stay fp32
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_finished_run_is_never_overwritten(tiny_model_dir, tmp_path, graded_by_parity):
+    run(tiny_model_dir, tmp_path)
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit, match="already holds a run .* pass --resume"):
+        run(tiny_model_dir, tmp_path)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
