@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--out-dir", default="runs/bench/learning")
     args = ap.parse_args()
     out = Path(args.out_dir)
+    if out.exists():
+        raise SystemExit(f"{out} exists (an earlier benchmark): choose another --out-dir or move it away")
     common = ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--report-to", "none"]
     cfg = lanpo.parse_config(common)
     result = {"base_accuracy": base_accuracy(cfg), "runs": {}}
