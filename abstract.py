@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo import position_ids
 from math_grader import extract_answer
 from pool import ExperiencePool, Trial
 from prompts import FORMAT_INSTRUCTION, render_prompt
@@ -51,8 +52,7 @@ def relevance_scores(model, tokenizer, pairs: list[str], batch_size: int = 16) -
     for start in range(0, len(texts), batch_size):
         enc = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
                         add_special_tokens=False).to(model.device)
-        position_ids = (enc.attention_mask.cumsum(1) - 1).clamp(min=0)
-        logits = model(**enc, position_ids=position_ids, logits_to_keep=1).logits[:, -1, :].float()
+        logits = model(**enc, position_ids=position_ids(enc.attention_mask), logits_to_keep=1).logits[:, -1, :].float()
         two = torch.log_softmax(logits[:, [yes_id, no_id]], dim=-1)
         scores += two[:, 0].exp().tolist()
     model.train(was_training)
@@ -198,8 +198,7 @@ def hidden_state_embedder(model, tokenizer):
     @torch.no_grad()
     def embed(texts: list[str]):
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        position_ids = (enc.attention_mask.cumsum(1) - 1).clamp(min=0)
-        hidden = model(**enc, position_ids=position_ids, output_hidden_states=True,
+        hidden = model(**enc, position_ids=position_ids(enc.attention_mask), output_hidden_states=True,
                        logits_to_keep=1).hidden_states[-1].float()
         mask = enc.attention_mask[..., None].float()
         return ((hidden * mask).sum(1) / mask.sum(1)).cpu().numpy()

@@ -44,6 +44,12 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[t
     return mask, truncated
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count real tokens only, as generate() does. A plain forward would otherwise number
+    the left padding too, and score a padded row at shifted positions."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
 def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and entropy per position of `logits` [N, T, V], one row at a time in float32, so the
     float32 full-vocabulary log-softmax never exists for more than one sequence at once."""
@@ -68,14 +74,12 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     Gradients flow when called under grad mode.
     """
     n_completion = completion_mask.shape[1]
-    # Positions count real tokens only, as in generate(); without this a left-padded row is scored at
-    # shifted positions and its log-probs differ from the ones it was sampled with.
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    positions = position_ids(attention_mask)
     logps, entropies = [], []
     for start in range(0, input_ids.shape[0], micro_batch):
         rows = slice(start, start + micro_batch)
         logits = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
-                       position_ids=position_ids[rows], logits_to_keep=n_completion + 1).logits[:, :-1, :]
+                       position_ids=positions[rows], logits_to_keep=n_completion + 1).logits[:, :-1, :]
         if temperature != 1.0:
             logits = logits / temperature  # the sampled distribution was softmax(logits / T)
         lp, ent = selective_log_softmax(logits, input_ids[rows, -n_completion:])

@@ -250,22 +250,22 @@ def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons
     for problem in problems:
         plain = prompts.render_prompt(tokenizer, prompts.problem_request(problem["problem"]), cfg.one_shot)
         earlier = pool.attempts(problem["id"], cfg.reflect_attempts)
-        shown = [reflect.shorten(t.response, tokenizer, cfg.attempt_tokens) for t in earlier]
-        for kind in plan_group(cfg.group_size, cfg.feedback_ratio, bool(earlier), problem["id"] in lessons,
-                               cfg.feedback):
-            if kind == "reflect":
-                if cfg.reflect_mode == "agnostic":
-                    request = reflect.reflection_request(problem["problem"], shown)
-                else:
-                    request = reflect.leaky_reflection_request(problem["problem"], shown, cfg.reflect_mode,
-                                                               [t.reward for t in earlier], problem["answer"])
-                text, context = prompts.render_prompt(tokenizer, request, cfg.one_shot), "\n\n".join(shown)
-            elif kind == "abstract":
-                context = lessons[problem["id"]]
-                request = abstract.abstraction_request(problem["problem"], context, raw=cfg.inter_mode == "raw")
-                text = prompts.render_prompt(tokenizer, request, cfg.one_shot)
+        kinds = plan_group(cfg.group_size, cfg.feedback_ratio, bool(earlier), problem["id"] in lessons, cfg.feedback)
+        by_kind = {"scratch": (plain, "")}  # each kind's prompt is built once per problem, then shared by its slots
+        if "reflect" in kinds:
+            shown = [reflect.shorten(t.response, tokenizer, cfg.attempt_tokens) for t in earlier]
+            if cfg.reflect_mode == "agnostic":
+                request = reflect.reflection_request(problem["problem"], shown)
             else:
-                text, context = plain, ""
+                request = reflect.leaky_reflection_request(problem["problem"], shown, cfg.reflect_mode,
+                                                           [t.reward for t in earlier], problem["answer"])
+            by_kind["reflect"] = (prompts.render_prompt(tokenizer, request, cfg.one_shot), "\n\n".join(shown))
+        if "abstract" in kinds:
+            context = lessons[problem["id"]]
+            request = abstract.abstraction_request(problem["problem"], context, raw=cfg.inter_mode == "raw")
+            by_kind["abstract"] = (prompts.render_prompt(tokenizer, request, cfg.one_shot), context)
+        for kind in kinds:
+            text, context = by_kind[kind]
             out.append(Prompt(text, plain, kind, context))
     return out
 
