@@ -71,3 +71,15 @@ def fresh_accelerate_state():
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def fake_grade(response: str, gold: str, timeout: float = 5.0) -> float:
+    """The random model never answers right: reward length parity so every group has signal."""
+    return float(len(response) % 2 == 0)
+
+
+@pytest.fixture
+def graded_by_parity(monkeypatch):
+    import math_grader
+
+    monkeypatch.setattr(math_grader, "grade", fake_grade)

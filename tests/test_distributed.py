@@ -14,7 +14,7 @@ sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 import math_grader, lanpo
 from accelerate import PartialState
-from test_train import fake_grade
+from conftest import fake_grade
 math_grader.grade = fake_grade  # the tiny random model never answers right: reward length parity
 pool = lanpo.main(lanpo.parse_config(sys.argv[1:]))
 out = sys.argv[sys.argv.index("--out-dir") + 1]
@@ -38,7 +38,7 @@ def _launch(tmp_path, model_dir, out, processes):
 
 def test_two_processes_share_one_pool_and_log_every_rollout(tiny_model_dir, tmp_path):
     two = _launch(tmp_path, tiny_model_dir, tmp_path / "two", 2)
-    one = _launch(tmp_path, tiny_model_dir, tmp_path / "one", 1)
+    _launch(tmp_path, tiny_model_dir, tmp_path / "one", 1)
     pool0 = (tmp_path / "two" / "pool-rank0.jsonl").read_text()
     assert pool0 == (tmp_path / "two" / "pool-rank1.jsonl").read_text()
     trials = [json.loads(line) for line in pool0.splitlines()]

@@ -10,7 +10,7 @@ import evaluate
 import math_grader
 import plot
 from pool import ExperiencePool, Trial
-from test_train import fake_grade
+from conftest import fake_grade
 
 
 def test_pass_at_k_closed_form():

@@ -12,11 +12,9 @@ from hypothesis import strategies as st
 
 import abstract
 import lanpo
-import math_grader
 import prompts
 import reflect
 from pool import EmbeddingIndex, ExperiencePool, Trial
-from test_train import fake_grade
 
 LABEL_WORDS = re.compile(r"\b(correct|incorrect|right|wrong|reward|score|gold|true|false|verified|answer is)\b", re.I)
 
@@ -244,11 +242,6 @@ def _run(tiny_model_dir, out, *extra):
                               "--report-to", "none", "--lr", "1e-2", *extra])
     lanpo.main(cfg)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture
-def graded_by_parity(monkeypatch):
-    monkeypatch.setattr(math_grader, "grade", fake_grade)
 
 
 def test_feedback_both_mixes_kinds_and_logs_them(tiny_model_dir, tmp_path, graded_by_parity):

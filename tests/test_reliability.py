@@ -18,14 +18,15 @@ import lanpo
 import math_grader
 from conftest import ROOT
 from pool import ExperiencePool, Trial
-from test_train import _params, fake_grade
+from conftest import fake_grade
+from test_train import _params
 
 RUNNER = """
 import sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 import math_grader, lanpo
-from test_train import fake_grade
+from conftest import fake_grade
 math_grader.grade = fake_grade  # the tiny random model never answers right: reward length parity
 if "--slow" in sys.argv:  # leave time after each step's metrics line, so a kill lands inside the run
     import time
@@ -79,11 +80,6 @@ def _run(model_dir, out, *extra):
                               "--lr", "1e-2", "--feedback", "none", *extra])
     lanpo.main(cfg)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture
-def graded_by_parity(monkeypatch):
-    monkeypatch.setattr(math_grader, "grade", fake_grade)
 
 
 def test_non_finite_updates_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path, monkeypatch, graded_by_parity):

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import lanpo
-import math_grader
 from conftest import ROOT
 
 
@@ -17,12 +16,7 @@ def documented_metric_keys() -> set[str]:
     return set(re.findall(r"^\| `([a-z_0-9/]+)` \|", section, flags=re.M))
 
 
-def fake_grade(response: str, gold: str, timeout: float = 5.0) -> float:
-    """The random model never answers right; reward length parity so every group has signal."""
-    return float(len(response) % 2 == 0)
-
-
-def run(tiny_model_dir, tmp_path, *extra, monkeypatch=None):
+def run(tiny_model_dir, tmp_path, *extra):
     cfg = lanpo.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(tmp_path / "run"),
                               "--steps", "2", "--batch-problems", "2", "--group-size", "4", "--micro-batch", "4",
                               "--max-new-tokens", "8", "--eval-size", "4", "--eval-every", "1",
@@ -30,11 +24,6 @@ def run(tiny_model_dir, tmp_path, *extra, monkeypatch=None):
     lanpo.main(cfg)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     return cfg, [json.loads(line) for line in lines]
-
-
-@pytest.fixture
-def graded_by_parity(monkeypatch):
-    monkeypatch.setattr(math_grader, "grade", fake_grade)
 
 
 def _params(model_dir):
