@@ -64,6 +64,15 @@ def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> tuple[
     return torch.stack(logps), torch.stack(entropies)
 
 
+def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """Logits [N, C, V] at the C positions that predict the completion tokens of [left-padded prompt |
+    completion] rows, divided by the sampling temperature (the sampled distribution was softmax(logits / T))."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                   logits_to_keep=n_completion + 1).logits[:, :-1, :]
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
                    micro_batch: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature.
@@ -74,14 +83,10 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     Gradients flow when called under grad mode.
     """
     n_completion = completion_mask.shape[1]
-    positions = position_ids(attention_mask)
     logps, entropies = [], []
     for start in range(0, input_ids.shape[0], micro_batch):
         rows = slice(start, start + micro_batch)
-        logits = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
-                       position_ids=positions[rows], logits_to_keep=n_completion + 1).logits[:, :-1, :]
-        if temperature != 1.0:
-            logits = logits / temperature  # the sampled distribution was softmax(logits / T)
+        logits = completion_logits(model, input_ids[rows], attention_mask[rows], n_completion, temperature)
         lp, ent = selective_log_softmax(logits, input_ids[rows, -n_completion:])
         logps.append(lp)
         entropies.append(ent)
@@ -93,7 +98,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
                 completion_mask: torch.Tensor, ref_logps: torch.Tensor | None = None, *,
                 eps_low: float = 0.2, eps_high: float = 0.2, beta: float = 0.0, loss_type: str = "grpo",
                 max_completion_len: int | None = None, window_seqs: int | None = None,
-                window_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                window_tokens: int | None = None,
+                token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate with asymmetric clipping (clip-higher) and an optional k3 KL penalty.
 
     Shapes: logps/old_logps/ref_logps/completion_mask [N, C], advantages [N].
@@ -108,6 +114,9 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     KL: k3 = exp(ref - logp) - (ref - logp) - 1, multiplied by the importance ratio pi/pi_old. Without the
     ratio the k3 gradient is biased (its expectation is not the gradient of KL(pi || pi_ref)); with it, the
     gradient is unbiased on- and off-policy (it equals grad KL in expectation over samples of pi_old).
+
+    token_weights [N, C] (constants) multiply each token's whole loss: the importance weights of samples
+    drawn from another distribution than pi_old (RLTF-SD's feedback rollouts). None = all 1.
     """
     mask = completion_mask.to(logps.dtype)
     log_ratio = logps - old_logps
@@ -123,6 +132,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + beta * ratio * kl
+    if token_weights is not None:
+        per_token = per_token * token_weights
 
     n_seqs = window_seqs if window_seqs is not None else logps.shape[0]
     n_tokens = window_tokens if window_tokens is not None else int(mask.sum().item())

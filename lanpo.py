@@ -28,6 +28,7 @@ from accelerate.utils import gather_object, set_seed
 
 import abstract
 import data
+import distill
 import evaluate
 import grpo
 import math_grader
@@ -111,9 +112,10 @@ class Config:
                        "inter (principles from similar problems), both", choices=["none", "intra", "inter", "both"])
     feedback_ratio: float = _f(0.5, "rho: share of each group's G rollouts that get feedback when it exists "
                                "(round(rho*G), halves up); the rest start from scratch")
-    feedback_grad: str = _f("context", "train feedback rollouts on the prompt they were sampled with (context), or "
-                            "on the plain prompt as off-policy samples under the clipped ratio (strip)",
-                            choices=["context", "strip"])
+    feedback_grad: str = _f("context", "train feedback rollouts on the prompt they were sampled with (context); "
+                            "on the plain prompt as off-policy samples under the clipped ratio (strip); or on "
+                            "the plain prompt against the group's from-scratch baseline with truncated "
+                            "importance weights (distill: RLTF-SD)", choices=["context", "strip", "distill"])
     reflect_mode: str = _f("agnostic", "reflection prompt: agnostic (LANPO), or the leaky ablations with-reward / "
                            "with-gold", choices=["agnostic", "with-reward", "with-gold"])
     reflect_attempts: int = _f(1, "earlier attempts shown in a reflection prompt (newest first)")
@@ -128,6 +130,18 @@ class Config:
                         choices=["tfidf", "policy"])
     pool_per_problem: int = _f(8, "trials kept per problem (oldest evicted first)")
     pool_max_problems: int = _f(20000, "problems kept in the pool (least recently tried evicted first)")
+    # --- feedback through the gradient (RLTF-SD, RLTF-FM, self-distillation); every one off by default
+    distill_is_cap: float = _f(1.0, "--feedback-grad distill: truncate each token's importance weight "
+                               "pi(y|plain) / pi(y|feedback) at this value; 0 = no correction (all weights 1)")
+    feedback_model_coef: float = _f(0.0, "RLTF-FM: weight of the cross-entropy of each problem's principles "
+                                    "given the problem and the group's first from-scratch attempt (0 = off)")
+    self_distill_coef: float = _f(0.0, "weight of the per-token divergence between the plain-prompt policy on its "
+                                  "from-scratch rollouts and the same model shown the problem's feedback "
+                                  "(reflection, else principles) as a stop-gradient teacher (0 = off)")
+    self_distill_div: str = _f("reverse_kl", "self-distillation divergence: reverse_kl = KL(student || teacher), "
+                               "forward_kl = KL(teacher || student), jsd", choices=["reverse_kl", "forward_kl", "jsd"])
+    self_distill_topk: int = _f(32, "teacher tokens kept per position, plus one bucket for the rest of the "
+                                "vocabulary; 0 = the full vocabulary (exact; V floats per position)")
     # --- logging and checkpoints
     report_to: str = _f("auto", "auto (wandb when installed; honours WANDB_MODE), wandb or none",
                         choices=["auto", "wandb", "none"])
@@ -175,6 +189,20 @@ def check_config(cfg: Config) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.temperature <= 0:
         raise SystemExit("--temperature must be > 0 for sampling (evaluation decodes greedily on its own)")
+    for name in ("distill_is_cap", "feedback_model_coef", "self_distill_coef", "self_distill_topk"):
+        if getattr(cfg, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    scratch_needed = [flag for flag, on in (("--feedback-grad distill", cfg.feedback_grad == "distill"),
+                                            ("--feedback-model-coef", cfg.feedback_model_coef > 0),
+                                            ("--self-distill-coef", cfg.self_distill_coef > 0)) if on]
+    if scratch_needed and math.floor(cfg.feedback_ratio * cfg.group_size + 0.5) >= cfg.group_size:
+        raise SystemExit(f"{', '.join(scratch_needed)} need from-scratch rollouts in every group, but --feedback-ratio "
+                         f"{cfg.feedback_ratio} gives feedback to all {cfg.group_size}: lower it")
+    if cfg.self_distill_coef > 0 and cfg.feedback == "none":
+        raise SystemExit("--self-distill-coef needs a teacher shown feedback: use --feedback intra, inter or both")
+    if cfg.feedback_model_coef > 0 and (cfg.feedback not in ("inter", "both") or cfg.inter_mode != "principles"):
+        raise SystemExit("--feedback-model-coef models the principles text: it needs --feedback inter or both and "
+                         "--inter-mode principles (reward-agnostic reflection has no critique text to model)")
 
 
 def drop_long_prompts(rows: list[dict], tokenizer, cfg: Config, skipped) -> list[dict]:
@@ -237,22 +265,27 @@ def plan_group(group_size: int, ratio: float, can_reflect: bool, can_abstract: b
 @dataclass
 class Prompt:
     text: str      # what the policy is sampled with
-    plain: str     # the from-scratch prompt of the same problem (trained on under --feedback-grad strip)
+    plain: str     # the from-scratch prompt of the same problem (trained on under --feedback-grad strip/distill)
     kind: str      # scratch | reflect | abstract
     context: str   # the feedback it carries, as stored in the pool
+    teacher: str = ""  # the feedback prompt a self-distillation teacher sees for this problem ("" = none)
 
 
 def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons: dict[str, str],
                   cfg: Config) -> list[Prompt]:
     """One prompt per rollout, B groups of G. Reflection shows the model's own earlier responses and never
-    their rewards (reflect.reflection_request cannot take one); only the leaky ablations add labels."""
+    their rewards (reflect.reflection_request cannot take one); only the leaky ablations add labels.
+    With --self-distill-coef, each problem's teacher prompt is its reflection prompt, else its principles one."""
     out = []
+    teach = cfg.self_distill_coef > 0
     for problem in problems:
         plain = prompts.render_prompt(tokenizer, prompts.problem_request(problem["problem"]), cfg.one_shot)
         earlier = pool.attempts(problem["id"], cfg.reflect_attempts)
         kinds = plan_group(cfg.group_size, cfg.feedback_ratio, bool(earlier), problem["id"] in lessons, cfg.feedback)
+        can_reflect = bool(earlier) and cfg.feedback in ("intra", "both")
+        can_abstract = problem["id"] in lessons and cfg.feedback in ("inter", "both")
         by_kind = {"scratch": (plain, "")}  # each kind's prompt is built once per problem, then shared by its slots
-        if "reflect" in kinds:
+        if "reflect" in kinds or (teach and can_reflect):
             shown = [reflect.shorten(t.response, tokenizer, cfg.attempt_tokens) for t in earlier]
             if cfg.reflect_mode == "agnostic":
                 request = reflect.reflection_request(problem["problem"], shown)
@@ -260,14 +293,38 @@ def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons
                 request = reflect.leaky_reflection_request(problem["problem"], shown, cfg.reflect_mode,
                                                            [t.reward for t in earlier], problem["answer"])
             by_kind["reflect"] = (prompts.render_prompt(tokenizer, request, cfg.one_shot), "\n\n".join(shown))
-        if "abstract" in kinds:
+        if "abstract" in kinds or (teach and can_abstract):
             context = lessons[problem["id"]]
             request = abstract.abstraction_request(problem["problem"], context, raw=cfg.inter_mode == "raw")
             by_kind["abstract"] = (prompts.render_prompt(tokenizer, request, cfg.one_shot), context)
+        teacher = by_kind.get("reflect", by_kind.get("abstract", ("", "")))[0] if teach else ""
         for kind in kinds:
             text, context = by_kind[kind]
-            out.append(Prompt(text, plain, kind, context))
+            out.append(Prompt(text, plain, kind, context, teacher))
     return out
+
+
+def token_ids(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def feedback_model_texts(tokenizer, problems: list[dict], lessons: dict[str, str], completions: list[Completion],
+                         kinds: list[str], cfg: Config, eos_ids: list[int]) -> list[Completion]:
+    """RLTF-FM's targets: for each problem with principles this step, (the problem and the group's first
+    from-scratch attempt) -> (the principles, then the end-of-turn token), as a prompt/completion pair."""
+    end_of_turn = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_ids[0]
+    texts = []
+    for g, problem in enumerate(problems):
+        if problem["id"] not in lessons:
+            continue
+        first = next(i for i in range(g * cfg.group_size, (g + 1) * cfg.group_size) if kinds[i] == "scratch")
+        attempt = reflect.shorten(completions[first].text, tokenizer, cfg.attempt_tokens)
+        request = distill.feedback_model_request(problem["problem"], attempt)
+        principles = prompts.neutralize(lessons[problem["id"]], prompts.special_token_strings(tokenizer))
+        target = torch.tensor(tokenizer(principles, add_special_tokens=False).input_ids + [end_of_turn])
+        texts.append(Completion(token_ids(tokenizer, prompts.render_prompt(tokenizer, request, one_shot=False)),
+                                target, False, principles))
+    return texts
 
 
 def grade_all(completions: list[Completion], answers: list[str]) -> torch.Tensor:
@@ -275,32 +332,56 @@ def grade_all(completions: list[Completion], answers: list[str]) -> torch.Tensor
 
 
 def policy_update(model, ref_model, optimizer, scheduler, accelerator, completions: list[Completion],
-                  advantages: torch.Tensor, cfg: Config, pad_id: int, window: tuple[float, float],
-                  behaviour: list[Completion] | None = None) -> dict[str, float]:
+                  advantages: torch.Tensor, cfg: Config, pad_id: int, window: dict[str, float],
+                  behaviour: list[Completion | None] | None = None, teachers: list[Completion | None] | None = None,
+                  feedback_texts: list[tuple[Completion, float]] = ()) -> dict[str, float]:
     """ppo_epochs optimizer updates on one batch of rollouts, accumulated over micro-batches.
-    `window` = (sequences, completion tokens) that normalise the loss (see grpo.policy_loss).
 
-    `behaviour`: the same completions on the prompts they were sampled with, when training uses other
-    prompts (--feedback-grad strip). Old log-probs then come from the sampling prompts, so the clipped
-    ratio pi(y | plain) / pi(y | feedback) treats these samples as off-policy, as they are."""
+    `window`: totals over the whole batch (all processes, divided by their number) that normalise each loss
+    term, so the micro-batch losses add up to the batch loss: "seqs" and "tokens" (grpo.policy_loss),
+    "teacher_tokens" (self-distillation), "feedback_tokens" (feedback modelling).
+    `behaviour[i]`: rollout i on the prompt it was sampled with, where it is trained on another (the plain
+    prompt, for feedback rollouts under --feedback-grad strip or distill); None elsewhere. strip takes the
+    old log-probs from the sampling prompt, so the clipped ratio pi(y | plain) / pi(y | feedback) treats
+    these samples as off-policy; distill keeps pi_old(y | plain) in the ratio and weights each token by the
+    truncated ratio of the two (distill.truncated_is_weights).
+    `teachers[i]`: rollout i on the feedback prompt of its self-distillation teacher; None = no teacher.
+    `feedback_texts`: (problem + attempt -> principles) pairs with weights 1 (0 for padding), for RLTF-FM.
+    When several processes run, all of them get the same number of micro-batches and forward passes."""
     device = accelerator.device
     # Sort by length so micro-batches pad little; the sum over the window does not depend on order.
     order = sorted(range(len(completions)), key=lambda i: len(completions[i].prompt_ids) + len(completions[i].completion_ids))
     micro = [order[i:i + cfg.micro_batch] for i in range(0, len(order), cfg.micro_batch)]
     batches = [pack([completions[i] for i in idx], pad_id, device) for idx in micro]
-    sampled = batches if behaviour is None else [pack([behaviour[i] for i in idx], pad_id, device) for idx in micro]
-    window_seqs, window_tokens = window
+
+    def repacked(other: list[Completion | None]):  # the same rows, with the other prompt where one is given
+        return [pack([other[i] if other[i] is not None else completions[i] for i in idx], pad_id, device) for idx in micro]
+
+    def rows_with(other: list[Completion | None]):
+        return [torch.tensor([other[i] is not None for i in idx], device=device) for idx in micro]
+
+    sampled = repacked(behaviour) if behaviour is not None else None
+    taught = repacked(teachers) if teachers is not None else None
+    has_teacher = rows_with(teachers) if teachers is not None else None
+    off_policy = rows_with(behaviour) if behaviour is not None else None
+    modelled = [(pack([c for c, _ in feedback_texts[i:i + cfg.micro_batch]], pad_id, device),
+                 torch.tensor([w for _, w in feedback_texts[i:i + cfg.micro_batch]], device=device))
+                for i in range(0, len(feedback_texts), cfg.micro_batch)]
+    n_passes = len(batches) + len(modelled)
     stats: dict[str, list[float]] = {}
     timings = {"time_logprob": 0.0, "time_update": 0.0}
     skipped = 0
 
     t0 = time.perf_counter()
-    old_logps, ref_logps = [None] * len(micro), [None] * len(micro)
+    old_logps, sampling_logps, ref_logps = [None] * len(micro), [None] * len(micro), [None] * len(micro)
     with torch.no_grad():
         for j, (ids, attn, cmask) in enumerate(batches):
-            # on-policy with one epoch, pi_old == pi: the ratio is exactly 1 and needs no extra forward
-            if cfg.ppo_epochs > 1 or behaviour is not None:
-                old_logps[j] = grpo.token_logprobs(model, *sampled[j], cfg.micro_batch, cfg.temperature)[0]
+            if sampled is not None:
+                sampling_logps[j] = grpo.token_logprobs(model, *sampled[j], cfg.micro_batch, cfg.temperature)[0]
+            if cfg.feedback_grad == "strip" and sampled is not None:
+                old_logps[j] = sampling_logps[j]
+            elif cfg.ppo_epochs > 1:  # on-policy with one epoch, pi_old == pi: the ratio is exactly 1, no forward
+                old_logps[j] = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch, cfg.temperature)[0]
             if cfg.beta > 0:
                 ref_logps[j] = reference_logprobs(model, ref_model, ids, attn, cmask, cfg)
     timings["time_logprob"] = time.perf_counter() - t0
@@ -310,20 +391,57 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
     for epoch in range(cfg.ppo_epochs):
         for j, (ids, attn, cmask) in enumerate(batches):
             adv = advantages[micro[j]].to(device)
-            last = j == len(batches) - 1
-            with contextlib.nullcontext() if last else accelerator.no_sync(model):  # sync grads once
-                logps, entropy = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch, cfg.temperature)
+            with contextlib.nullcontext() if j == n_passes - 1 else accelerator.no_sync(model):  # sync grads once
+                teacher = None
+                if taught is not None:  # stop-gradient teacher: the current model shown the feedback
+                    with torch.no_grad():
+                        teacher = distill.teacher_logprobs(grpo.completion_logits(
+                            model, *taught[j][:2], cmask.shape[1], cfg.temperature), cfg.self_distill_topk)
+                logits = grpo.completion_logits(model, ids, attn, cmask.shape[1], cfg.temperature)
+                logps, entropy = grpo.selective_log_softmax(logits, ids[:, -cmask.shape[1]:])
+                mask = cmask.to(logps.dtype)
+                logps, entropy = logps * mask, entropy * mask
                 old = old_logps[j] if old_logps[j] is not None else logps.detach()
+                weights = None
+                if cfg.feedback_grad == "distill" and sampled is not None:
+                    weights = torch.where(off_policy[j][:, None],
+                                          distill.truncated_is_weights(old, sampling_logps[j], cfg.distill_is_cap), 1.0)
+                    off = mask * off_policy[j][:, None]
+                    if off.sum() > 0:
+                        stats.setdefault("distill_is_weight", []).append(
+                            (((weights * off).sum() / off.sum()).item(), off.sum().item()))
                 loss, s = grpo.policy_loss(logps, old, adv, cmask, ref_logps[j], eps_low=cfg.eps_low,
                                            eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                                           max_completion_len=cfg.max_new_tokens, window_seqs=window_seqs,
-                                           window_tokens=window_tokens)
-                accelerator.backward(loss)
+                                           max_completion_len=cfg.max_new_tokens, window_seqs=window["seqs"],
+                                           window_tokens=window["tokens"], token_weights=weights)
+                total = loss
+                if teacher is not None:
+                    taught_mask = mask * has_teacher[j][:, None]
+                    div = distill.divergence(distill.student_logprobs(logits, teacher[1]), teacher[0],
+                                             cfg.self_distill_div) * taught_mask
+                    sd_loss = cfg.self_distill_coef * div.sum() / max(window["teacher_tokens"], 1e-9)
+                    total = total + sd_loss
+                    stats.setdefault("self_distill_loss", []).append((sd_loss.item(), 1.0))
+                    if taught_mask.sum() > 0:
+                        stats.setdefault("self_distill_div", []).append(
+                            ((div.sum() / taught_mask.sum()).item(), taught_mask.sum().item()))
+                accelerator.backward(total)
             weight = s.pop("tokens")
             s["loss"] = loss.item()
             s["entropy"] = (entropy.sum() / cmask.sum().clamp(min=1)).item()
             for k, v in s.items():
                 stats.setdefault(k, []).append((v, weight))
+        for j, ((ids, attn, cmask), text_weights) in enumerate(modelled):
+            with contextlib.nullcontext() if len(batches) + j == n_passes - 1 else accelerator.no_sync(model):
+                # cross-entropy of the principles at temperature 1: a supervised target, not a sample
+                logps = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch)[0]
+                nll = -(logps.sum(dim=1) * text_weights).sum()
+                fm_loss = cfg.feedback_model_coef * nll / max(window["feedback_tokens"], 1e-9)
+                accelerator.backward(fm_loss)
+            n_tokens = (cmask.sum(dim=1) * text_weights).sum().item()
+            stats.setdefault("feedback_model_loss", []).append((fm_loss.item(), 1.0))
+            if n_tokens:
+                stats.setdefault("feedback_model_ce", []).append((nll.item() / n_tokens, n_tokens))
         norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
         if norm is None:  # DeepSpeed clips (its gradient_clipping) and steps inside backward(): read its norm
             norm = model.get_global_grad_norm() or 0.0
@@ -337,7 +455,9 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
         optimizer.zero_grad(set_to_none=True)
     timings["time_update"] = time.perf_counter() - t0
     out = {k: sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1e-9) for k, vals in stats.items()}
-    out["loss"] = sum(v for v, _ in stats["loss"]) / cfg.ppo_epochs  # micro-batch losses add up to the batch loss
+    for k in ("loss", "self_distill_loss", "feedback_model_loss"):  # micro-batch losses add up to the batch loss
+        if k in stats:
+            out[k] = sum(v for v, _ in stats[k]) / cfg.ppo_epochs
     out.setdefault("grad_norm", float("nan"))
     return {**out, **timings, "skipped_updates": float(skipped)}
 
@@ -381,9 +501,10 @@ def feedback_metrics(local: abstract.AbstractionStats, pool: ExperiencePool, pro
 
 
 def mean_over_processes(stats: dict[str, float]) -> dict[str, float]:
-    """Each statistic averaged over the processes (a no-op with one)."""
+    """Each statistic averaged over the processes that measured it (a no-op with one)."""
     every = gather_object([stats])
-    return {k: float(np.mean([s[k] for s in every])) for k in stats}
+    keys = dict.fromkeys(k for s in every for k in s)
+    return {k: float(np.mean([s[k] for s in every if k in s])) for k in keys}
 
 
 @contextlib.contextmanager
@@ -537,6 +658,9 @@ def main(cfg: Config) -> ExperiencePool:
     if (per_process * cfg.group_size) % cfg.micro_batch:
         raise SystemExit(f"--micro-batch {cfg.micro_batch} does not divide the {per_process * cfg.group_size} "
                          f"rollouts of each of the {world} processes")
+    if cfg.feedback_model_coef > 0 and accelerator.state.deepspeed_plugin is not None:
+        raise SystemExit("--feedback-model-coef adds a varying number of micro-batches to each step, which "
+                         "DeepSpeed's fixed gradient_accumulation_steps cannot follow: use DDP or FSDP")
     if cfg.drop_zero_adv_groups and world > 1:
         raise SystemExit("--drop-zero-adv-groups runs in one process only: processes with different numbers of "
                          "micro-batches would stall each other's gradient synchronisation")
@@ -630,7 +754,8 @@ def main(cfg: Config) -> ExperiencePool:
         problems = problems_for_step(train_rows, step, cfg.batch_problems, cfg.seed)
         mine = problems[rank * per_process:(rank + 1) * per_process]
         lessons, abstraction = {}, abstract.AbstractionStats()
-        if cfg.feedback in ("inter", "both") and cfg.feedback_ratio > 0:
+        wants_lessons = cfg.feedback_ratio > 0 or cfg.feedback_model_coef > 0 or cfg.self_distill_coef > 0
+        if cfg.feedback in ("inter", "both") and wants_lessons:
             lessons, abstraction = abstract.lessons_for(
                 policy, tokenizer, pool, mine, lessons_cache, step, candidates=cfg.inter_candidates,
                 gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
@@ -659,30 +784,50 @@ def main(cfg: Config) -> ExperiencePool:
         time_grade = time.perf_counter() - t0
         all_rewards = torch.tensor(gather_object(rewards.tolist()))  # every process's groups, in rank order
 
-        # 4. group-relative advantages over each problem's G rollouts
-        advantages = grpo.group_advantages(all_rewards, cfg.group_size, cfg.adv_scale)
+        # 4. group-relative advantages over each problem's G rollouts (RLTF-SD: against its from-scratch ones)
+        if cfg.feedback_grad == "distill":
+            from_scratch = torch.tensor([k == "scratch" for k in gather_object(kinds)])
+            advantages = distill.first_turn_advantages(all_rewards, from_scratch, cfg.group_size, cfg.adv_scale)
+        else:
+            advantages = grpo.group_advantages(all_rewards, cfg.group_size, cfg.adv_scale)
         advantages = advantages[rank * len(completions):(rank + 1) * len(completions)]
 
-        # 5. clipped policy-gradient update(s), over the whole mixed group
-        train_on, behaviour = completions, None
-        if cfg.feedback_grad == "strip" and any(k != "scratch" for k in kinds):
-            behaviour = completions
-            train_on = [c if p.kind == "scratch" else dataclasses.replace(
-                c, prompt_ids=torch.tensor(tokenizer(p.plain, add_special_tokens=False).input_ids))
-                for c, p in zip(completions, rollout_prompts)]
-        keep = list(range(len(completions)))
+        # 5. clipped policy-gradient update(s), over the whole mixed group, plus the feedback-through-the-
+        # gradient terms that are switched on. Each decision below is taken the same on every process.
+        train_on, behaviour, teachers = completions, None, None
+        if cfg.feedback_grad != "context" and any(gather_object([any(k != "scratch" for k in kinds)])):
+            behaviour = [None if p.kind == "scratch" else c for c, p in zip(completions, rollout_prompts)]
+            train_on = [c if p.kind == "scratch" else dataclasses.replace(c, prompt_ids=token_ids(tokenizer, p.plain))
+                        for c, p in zip(completions, rollout_prompts)]
+        if cfg.self_distill_coef > 0:  # the same completion, scored by the model shown the feedback
+            teachers = [dataclasses.replace(c, prompt_ids=token_ids(tokenizer, p.teacher))
+                        if p.kind == "scratch" and p.teacher else None for c, p in zip(completions, rollout_prompts)]
         if cfg.drop_zero_adv_groups:  # groups with equal rewards carry no signal: leave them out entirely
             live = rewards.view(-1, cfg.group_size).std(dim=1) > 0
-            keep = [i for i in keep if live[i // cfg.group_size]]
+            keep = [i for i in range(len(completions)) if live[i // cfg.group_size]]
+            train_on, advantages = [train_on[i] for i in keep], advantages[keep]
+            behaviour = [behaviour[i] for i in keep] if behaviour else None
+            teachers = [teachers[i] for i in keep] if teachers else None
+        feedback_texts = (feedback_model_texts(tokenizer, mine, lessons, completions, kinds, cfg, eos_ids)
+                          if cfg.feedback_model_coef > 0 else [])
         # Loss normalisers of the whole batch over all processes, divided by the number of processes,
         # because data-parallel training averages the processes' gradients.
-        counts = gather_object([(len(keep), sum(len(completions[i].completion_ids) for i in keep))])
-        window = (sum(n for n, _ in counts) / world, sum(t for _, t in counts) / world)
+        counts = gather_object([(len(train_on), sum(len(c.completion_ids) for c in train_on),
+                                 sum(len(c.completion_ids) for c in teachers or [] if c is not None),
+                                 sum(len(c.completion_ids) for c in feedback_texts), len(feedback_texts))])
+        window = {name: sum(c[k] for c in counts) / world
+                  for k, name in enumerate(("seqs", "tokens", "teacher_tokens", "feedback_tokens"))}
+        if not window["teacher_tokens"]:
+            teachers = None  # no teacher on any process this step: no teacher forward passes
+        # every process makes as many feedback-modelling passes (ZeRO-3/FSDP forwards are collective):
+        # the ones with fewer texts pad with zero-weight copies
+        padding = max(c[4] for c in counts) - len(feedback_texts)
+        weighted = [(c, 1.0) for c in feedback_texts] + [((feedback_texts or completions)[0], 0.0)] * padding
         with oom_hint("the policy update", f"--micro-batch {max(1, cfg.micro_batch // 2)} or "
                       "--gradient-checkpointing", out_dir):
-            update_stats = policy_update(model, ref_model, optimizer, scheduler, accelerator,
-                                         [train_on[i] for i in keep], advantages[keep], cfg, tokenizer.pad_token_id,
-                                         window, [behaviour[i] for i in keep] if behaviour else None) if keep else NO_UPDATE
+            update_stats = policy_update(model, ref_model, optimizer, scheduler, accelerator, train_on, advantages,
+                                         cfg, tokenizer.pad_token_id, window, behaviour, teachers,
+                                         weighted) if train_on else NO_UPDATE
         bad_in_row = bad_in_row + int(update_stats["skipped_updates"]) if update_stats["skipped_updates"] else 0
         if bad_in_row >= cfg.max_bad_updates:
             raise SystemExit(f"{bad_in_row} optimizer updates in a row had a non-finite loss or gradient (step "
@@ -715,6 +860,10 @@ def main(cfg: Config) -> ExperiencePool:
             "time_grade": time_grade,
             "grader_timeouts": math_grader.timeouts(),
         }
+        if cfg.self_distill_coef > 0:
+            record["self_distill_tokens"] = window["teacher_tokens"] * world
+        if cfg.feedback_model_coef > 0:
+            record["feedback_model_texts"] = float(sum(c[4] for c in counts))
         record.update(kind_metrics(all_kinds, all_rewards, lengths))
         record.update(feedback_metrics(abstraction, pool, [n for _, _, _, n in per_rollout], accelerator))
 

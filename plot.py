@@ -15,8 +15,11 @@ PANELS = [
     ("training accuracy", ["accuracy"]),
     ("held-out accuracy (greedy)", ["eval_accuracy"]),
     ("response length (tokens)", ["response_len_mean"]),
+    ("from-scratch rollouts' accuracy (no feedback)", ["scratch/accuracy"]),
+    ("feedback through the gradient", ["self_distill_div", "feedback_model_ce", "distill_is_weight"]),
 ]
-STYLES = {"reward_mean": "-", "scratch/reward": "--", "reflect/reward": ":", "abstract/reward": "-."}
+STYLES = {"reward_mean": "-", "scratch/reward": "--", "reflect/reward": ":", "abstract/reward": "-.",
+          "self_distill_div": "--", "feedback_model_ce": ":", "distill_is_weight": "-."}
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -40,7 +43,7 @@ def plot(runs: dict[str, list[dict]], out: str | Path) -> Path:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    fig, axes = plt.subplots(3, 2, figsize=(11, 11))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for i, (name, records) in enumerate(runs.items()):

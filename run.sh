@@ -73,6 +73,10 @@ no-relevance    --feedback both --relevance-threshold 0
 ratio-0.25      --feedback both --feedback-ratio 0.25
 ratio-0.75      --feedback both --feedback-ratio 0.75
 strip-grad      --feedback both --feedback-grad strip
+distill         --feedback both --feedback-grad distill
+self-distill    --feedback both --self-distill-coef 1
+feedback-model  --feedback both --relevance-threshold 0.5 --feedback-model-coef 0.1
+sd-only         --feedback both --feedback-ratio 0 --self-distill-coef 1
 MATRIX
     ;;
   *)

@@ -1,9 +1,11 @@
-"""Learning on CPU: GRPO (`--feedback none`) and LANPO (`--feedback both`) with the same budget on the
-embedded SmolLM2-135M and the built-in data (the default run's settings), held-out greedy accuracy vs
-step for both, the base model's accuracy on the same held-out problems, wall time; a PNG and a table.
+"""Learning on CPU: training arms with the same budget on the embedded SmolLM2-135M and the built-in data
+(the default run's settings plus --flags), held-out greedy accuracy (no feedback) vs step for each, the
+base model's accuracy on the same held-out problems, wall time; a PNG and a table.
 
-    python bench/learning.py                      # 6 steps each, eval every 2 steps (~15 min on 2 cores)
+    python bench/learning.py                      # GRPO vs LANPO, 6 steps each, eval every 2 (~15 min, 2 cores)
     python bench/learning.py --steps 10           # the README numbers (~25 min)
+    python bench/learning.py --steps 10 --synthetic-size 16 --arms grpo lanpo lanpo+distill lanpo+self-distill \
+        --out-dir runs/bench/feedback-grad        # feedback through the gradient (~50 min)
     python bench/learning.py --steps 2 --eval-every 1   # smoke run
 """
 
@@ -40,34 +42,53 @@ def base_accuracy(cfg: lanpo.Config) -> float:
     return summary["avg@1"]
 
 
+ARMS = {  # name -> the flags that make it (on top of the common ones)
+    "grpo": ["--feedback", "none"],
+    "lanpo": ["--feedback", "both"],
+    "lanpo+distill": ["--feedback", "both", "--feedback-grad", "distill"],
+    "lanpo+self-distill": ["--feedback", "both", "--self-distill-coef", "1"],
+    "lanpo+feedback-model": ["--feedback", "both", "--feedback-model-coef", "0.1"],
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--eval-every", type=int, default=2)
+    ap.add_argument("--synthetic-size", type=int, default=lanpo.Config.synthetic_size,
+                    help="training problems; fewer make problems recur (and feedback appear) sooner")
+    ap.add_argument("--arms", nargs="+", default=["grpo", "lanpo"], choices=list(ARMS))
     ap.add_argument("--out-dir", default="runs/bench/learning")
     args = ap.parse_args()
     out = Path(args.out_dir)
     if out.exists():
         raise SystemExit(f"{out} exists (an earlier benchmark): choose another --out-dir or move it away")
-    common = ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--report-to", "none"]
+    common = ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--report-to", "none",
+              "--synthetic-size", str(args.synthetic_size)]
     cfg = lanpo.parse_config(common)
     result = {"base_accuracy": base_accuracy(cfg), "runs": {}}
-    for name, feedback in (("grpo", "none"), ("lanpo", "both")):
+    for name in args.arms:
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, str(ROOT / "lanpo.py"), "--feedback", feedback, "--out-dir",
-                        str(out / name), *common], check=True, capture_output=True)
+        done = subprocess.run([sys.executable, str(ROOT / "lanpo.py"), *ARMS[name], "--out-dir", str(out / name),
+                               *common], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"arm {name} failed:\n{done.stderr[-3000:]}")
         records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         result["runs"][name] = {"wall_s": time.perf_counter() - t0,
                                 "eval": {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r},
-                                "train_reward": [r["reward_mean"] for r in records]}
+                                "train_reward": [r["reward_mean"] for r in records],
+                                "scratch_accuracy": [r.get("scratch/accuracy") for r in records]}
     png = plot.plot({name: [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
-                     for name in ("grpo", "lanpo")}, out / "learning.png")
-    steps = sorted(result["runs"]["grpo"]["eval"])
+                     for name in args.arms}, out / "learning.png")
+    steps = sorted(result["runs"][args.arms[0]]["eval"])
     print(f"held-out greedy accuracy (base model: {result['base_accuracy']:.3f})")
-    print("| step | " + " | ".join(str(s) for s in steps) + " | wall |")
-    print("|---|" + "---|" * (len(steps) + 1))
+    print("| step | " + " | ".join(str(s) for s in steps) + " | train reward | from-scratch acc | wall |")
+    print("|---|" + "---|" * (len(steps) + 3))
     for name, r in result["runs"].items():
-        print(f"| {name} | " + " | ".join(f"{r['eval'][s]:.3f}" for s in steps) + f" | {r['wall_s'] / 60:.1f} min |")
+        scratch = [a for a in r["scratch_accuracy"] if a is not None]
+        print(f"| {name} | " + " | ".join(f"{r['eval'][s]:.3f}" for s in steps)
+              + f" | {sum(r['train_reward']) / len(r['train_reward']):.3f} | {sum(scratch) / len(scratch):.3f}"
+              + f" | {r['wall_s'] / 60:.1f} min |")
     print(f"curves: {png}")
     (out / "learning.json").write_text(json.dumps(result, indent=2))
 
