@@ -26,12 +26,12 @@ ARGS = ["--cpu", "--steps", "2", "--batch-problems", "4", "--group-size", "4", "
         "--abstract-max-tokens", "8", "--feedback", "both", "--report-to", "none", "--lr", "1e-2"]
 
 
-def _launch(tmp_path, model_dir, out, processes):
+def _launch(tmp_path, model_dir, out, processes, *extra):
     script = tmp_path / "runner.py"
     script.write_text(RUNNER.format(root=str(ROOT), tests=str(ROOT / "tests")))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([*launcher, str(script), "--model", str(model_dir), "--out-dir", str(out), *ARGS],
+    subprocess.run([*launcher, str(script), "--model", str(model_dir), "--out-dir", str(out), *ARGS, *extra],
                    check=True, env=env, capture_output=True, timeout=600)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -54,6 +54,17 @@ def test_two_processes_share_one_pool_and_log_every_rollout(tiny_model_dir, tmp_
     by_step = lambda out: {s: sorted({p for st, p in order(out) if st == s}) for s in (1, 2)}  # noqa: E731
     assert by_step(tmp_path / "two") == by_step(tmp_path / "one")
     assert two[1]["reflect/count"] > 0 and two[1]["abstract/count"] > 0
+
+
+def test_two_processes_with_every_feedback_gradient_term(tiny_model_dir, tmp_path):
+    """Teacher passes, importance weights and feedback-modelling passes keep both ranks in step (a rank
+    with an extra or a missing forward would stall the collective ops and hit the timeout)."""
+    records = _launch(tmp_path, tiny_model_dir, tmp_path / "two", 2, "--feedback-grad", "distill",
+                      "--self-distill-coef", "1", "--feedback-model-coef", "0.1")
+    late = records[1]
+    assert late["self_distill_tokens"] > 0 and late["self_distill_div"] >= 0
+    assert late["feedback_model_texts"] == 4 and late["feedback_model_ce"] > 0
+    assert 0 < late["distill_is_weight"] <= 1.0
 
 
 def test_accelerate_configs_load():
