@@ -119,3 +119,22 @@ def divergence(student: torch.Tensor, teacher: torch.Tensor, kind: str) -> torch
 
 def _kl(p_logps: torch.Tensor, q_logps: torch.Tensor) -> torch.Tensor:
     return (p_logps.exp() * (p_logps - q_logps)).sum(dim=-1)
+
+
+def self_distill_loss(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, kind: str, coef: float,
+                      n_tokens: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """coef * (sum of the per-token divergences over `mask`) / n_tokens, where n_tokens counts the taught
+    tokens of the whole batch (so micro-batch terms add up to the batch mean), and the masked divergences
+    [N, C]. student/teacher: log-probs [N, C, categories] from student_logprobs / teacher_logprobs."""
+    div = divergence(student, teacher, kind) * mask
+    return coef * div.sum() / max(n_tokens, 1e-9), div
+
+
+def feedback_model_loss(target_logps: torch.Tensor, weights: torch.Tensor, coef: float,
+                        n_tokens: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """coef * (negative log-likelihood of the feedback tokens) / n_tokens, and that summed NLL.
+    target_logps [N, C] are 0 outside the feedback tokens (grpo.token_logprobs masks them); weights [N]
+    are 1, or 0 for a padding copy; n_tokens counts the feedback tokens of the whole batch."""
+    nll = -(target_logps.sum(dim=1) * weights).sum()
+    return coef * nll / max(n_tokens, 1e-9), nll
+

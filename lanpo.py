@@ -355,7 +355,8 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
     batches = [pack([completions[i] for i in idx], pad_id, device) for idx in micro]
 
     def repacked(other: list[Completion | None]):  # the same rows, with the other prompt where one is given
-        return [pack([other[i] if other[i] is not None else completions[i] for i in idx], pad_id, device) for idx in micro]
+        return [pack([completions[i] if other[i] is None else other[i] for i in idx], pad_id, device)
+                for idx in micro]
 
     def rows_with(other: list[Completion | None]):
         return [torch.tensor([other[i] is not None for i in idx], device=device) for idx in micro]
@@ -392,10 +393,9 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
         for j, (ids, attn, cmask) in enumerate(batches):
             adv = advantages[micro[j]].to(device)
             with contextlib.nullcontext() if j == n_passes - 1 else accelerator.no_sync(model):  # sync grads once
-                teacher = None
-                if taught is not None:  # stop-gradient teacher: the current model shown the feedback
-                    with torch.no_grad():
-                        teacher = distill.teacher_logprobs(grpo.completion_logits(
+                if taught is not None:  # stop-gradient teacher: the current model shown the feedback; its
+                    with torch.no_grad():  # logits are freed before the student's forward pass
+                        teacher_logps, teacher_ids = distill.teacher_logprobs(grpo.completion_logits(
                             model, *taught[j][:2], cmask.shape[1], cfg.temperature), cfg.self_distill_topk)
                 logits = grpo.completion_logits(model, ids, attn, cmask.shape[1], cfg.temperature)
                 logps, entropy = grpo.selective_log_softmax(logits, ids[:, -cmask.shape[1]:])
@@ -415,11 +415,12 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
                                            max_completion_len=cfg.max_new_tokens, window_seqs=window["seqs"],
                                            window_tokens=window["tokens"], token_weights=weights)
                 total = loss
-                if teacher is not None:
+                if taught is not None:
                     taught_mask = mask * has_teacher[j][:, None]
-                    div = distill.divergence(distill.student_logprobs(logits, teacher[1]), teacher[0],
-                                             cfg.self_distill_div) * taught_mask
-                    sd_loss = cfg.self_distill_coef * div.sum() / max(window["teacher_tokens"], 1e-9)
+                    student_logps = distill.student_logprobs(logits, teacher_ids)
+                    sd_loss, div = distill.self_distill_loss(student_logps, teacher_logps, taught_mask,
+                                                             cfg.self_distill_div, cfg.self_distill_coef,
+                                                             window["teacher_tokens"])
                     total = total + sd_loss
                     stats.setdefault("self_distill_loss", []).append((sd_loss.item(), 1.0))
                     if taught_mask.sum() > 0:
@@ -434,9 +435,9 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
         for j, ((ids, attn, cmask), text_weights) in enumerate(modelled):
             with contextlib.nullcontext() if len(batches) + j == n_passes - 1 else accelerator.no_sync(model):
                 # cross-entropy of the principles at temperature 1: a supervised target, not a sample
-                logps = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch)[0]
-                nll = -(logps.sum(dim=1) * text_weights).sum()
-                fm_loss = cfg.feedback_model_coef * nll / max(window["feedback_tokens"], 1e-9)
+                target_logps = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch)[0]
+                fm_loss, nll = distill.feedback_model_loss(target_logps, text_weights, cfg.feedback_model_coef,
+                                                           window["feedback_tokens"])
                 accelerator.backward(fm_loss)
             n_tokens = (cmask.sum(dim=1) * text_weights).sum().item()
             stats.setdefault("feedback_model_loss", []).append((fm_loss.item(), 1.0))

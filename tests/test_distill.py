@@ -94,6 +94,25 @@ def test_a_teacher_equal_to_the_student_gives_zero_loss_and_zero_gradient():
         assert div.abs().max().item() < 1e-6 and logits.grad.abs().max().item() < 1e-6
 
 
+def test_self_distill_loss_hand_computed():
+    # two positions: (student Q, teacher P), and one the mask leaves out; the batch has 4 taught tokens
+    student = torch.stack([_log(Q), _log(Q)])[None]
+    teacher = torch.stack([_log(P), _log(Q)])[None]  # position 2: teacher = student, divergence 0
+    reverse = 0.8 * math.log(0.8 / 0.5) + 0.1 * math.log(0.1 / 0.4)
+    loss, div = distill.self_distill_loss(student, teacher, torch.tensor([[1.0, 1.0]]), "reverse_kl", 0.5, 4)
+    assert loss.item() == pytest.approx(0.5 * reverse / 4) and div[0, 1].item() == pytest.approx(0.0, abs=1e-12)
+    masked, _ = distill.self_distill_loss(student, teacher, torch.tensor([[0.0, 1.0]]), "reverse_kl", 0.5, 4)
+    assert masked.item() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_feedback_model_loss_hand_computed():
+    # row 1: principle tokens with p = 1/2 and 1/4 (the third column is past its end: 0 from the mask);
+    # row 2 is a zero-weight padding copy and must not count
+    logps = torch.tensor([[math.log(0.5), math.log(0.25), 0.0], [math.log(0.1), math.log(0.1), math.log(0.1)]])
+    loss, nll = distill.feedback_model_loss(logps, torch.tensor([1.0, 0.0]), 0.5, 2)
+    assert nll.item() == pytest.approx(3 * math.log(2)) and loss.item() == pytest.approx(0.5 * 3 * math.log(2) / 2)
+
+
 def test_first_turn_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
     scratch = torch.tensor([True, True, False, False, True, False, True, False])
