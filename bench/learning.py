@@ -5,7 +5,7 @@ base model's accuracy on the same held-out problems, wall time; a PNG and a tabl
     python bench/learning.py                      # GRPO vs LANPO, 6 steps each, eval every 2 (~15 min, 2 cores)
     python bench/learning.py --steps 10           # the README numbers (~25 min)
     python bench/learning.py --steps 10 --synthetic-size 16 --arms grpo lanpo lanpo+distill lanpo+self-distill \
-        --out-dir runs/bench/feedback-grad        # feedback through the gradient (~50 min)
+        --out-dir runs/bench/feedback-grad        # feedback through the gradient (~45 min)
     python bench/learning.py --steps 2 --eval-every 1   # smoke run
 """
 
@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--synthetic-size", type=int, default=lanpo.Config.synthetic_size,
                     help="training problems; fewer make problems recur (and feedback appear) sooner")
+    ap.add_argument("--lr", type=float, default=lanpo.Config.lr,
+                    help="learning rate of every arm; the default 2e-6 barely moves the model in 10 steps")
     ap.add_argument("--arms", nargs="+", default=["grpo", "lanpo"], choices=list(ARMS))
     ap.add_argument("--out-dir", default="runs/bench/learning")
     args = ap.parse_args()
@@ -64,7 +66,7 @@ def main() -> None:
     if out.exists():
         raise SystemExit(f"{out} exists (an earlier benchmark): choose another --out-dir or move it away")
     common = ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--report-to", "none",
-              "--synthetic-size", str(args.synthetic_size)]
+              "--synthetic-size", str(args.synthetic_size), "--lr", str(args.lr)]
     cfg = lanpo.parse_config(common)
     result = {"base_accuracy": base_accuracy(cfg), "runs": {}}
     for name in args.arms:
