@@ -84,6 +84,34 @@ def test_gradients_reach_the_student_only_and_match_the_closed_forms():
         assert student_logits.grad.float() == pytest.approx(closed_form(), abs=1e-5)
 
 
+def test_the_teacher_branch_of_the_shared_model_adds_no_gradient(tiny):
+    """As policy_update does it (one model, teacher pass first) equals a teacher from a frozen copy."""
+    import copy
+
+    model, tokenizer = tiny
+    completion = torch.tensor(tokenizer("The answer is 7.", add_special_tokens=False).input_ids)
+    student = Completion(torch.tensor(tokenizer("What is 2 + 5?", add_special_tokens=False).input_ids),
+                         completion, False, "")
+    teacher = Completion(torch.tensor(tokenizer("Earlier attempt: 7. What is 2 + 5?", add_special_tokens=False)
+                                      .input_ids), completion, False, "")
+    params = [p for p in model.parameters()]
+
+    def sd_grads(teacher_model):
+        t_ids, t_attn, cmask = pack([teacher], tokenizer.pad_token_id, "cpu")
+        with torch.no_grad():
+            t_logps, top = distill.teacher_logprobs(grpo.completion_logits(teacher_model, t_ids, t_attn, cmask.shape[1]), 4)
+        ids, attn, cmask = pack([student], tokenizer.pad_token_id, "cpu")
+        s_logps = distill.student_logprobs(grpo.completion_logits(model, ids, attn, cmask.shape[1]), top)
+        loss = distill.self_distill_loss(s_logps, t_logps, cmask.float(), "reverse_kl", 1.0, cmask.sum().item())[0]
+        return loss, torch.autograd.grad(loss, params)
+
+    shared_loss, shared = sd_grads(model)
+    frozen_loss, frozen = sd_grads(copy.deepcopy(model).requires_grad_(False))
+    assert shared_loss.item() > 0 and shared_loss.item() == pytest.approx(frozen_loss.item())
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(shared, frozen))
+    assert any(a.abs().sum() > 0 for a in shared)
+
+
 def test_a_teacher_equal_to_the_student_gives_zero_loss_and_zero_gradient():
     logits = torch.randn(2, 3, 6, requires_grad=True)
     t_logps, ids = distill.teacher_logprobs(logits, top_k=3)
