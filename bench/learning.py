@@ -46,7 +46,7 @@ ARMS = {  # name -> the flags that make it (on top of the common ones)
     "grpo": ["--feedback", "none"],
     "lanpo": ["--feedback", "both"],
     "lanpo+distill": ["--feedback", "both", "--feedback-grad", "distill"],
-    "lanpo+self-distill": ["--feedback", "both", "--self-distill-coef", "1"],
+    "lanpo+self-distill": ["--feedback", "both"],  # + --self-distill-coef from this script's flag
     "lanpo+feedback-model": ["--feedback", "both", "--feedback-model-coef", "0.1"],
 }
 
@@ -59,6 +59,8 @@ def main() -> None:
                     help="training problems; fewer make problems recur (and feedback appear) sooner")
     ap.add_argument("--lr", type=float, default=lanpo.Config.lr,
                     help="learning rate of every arm; the default 2e-6 barely moves the model in 10 steps")
+    ap.add_argument("--self-distill-coef", type=float, default=1.0,
+                    help="coefficient of the lanpo+self-distill arm (at lr 2e-5, 1 collapses the 135M model)")
     ap.add_argument("--arms", nargs="+", default=["grpo", "lanpo"], choices=list(ARMS))
     ap.add_argument("--out-dir", default="runs/bench/learning")
     args = ap.parse_args()
@@ -71,7 +73,10 @@ def main() -> None:
     result = {"base_accuracy": base_accuracy(cfg), "runs": {}}
     for name in args.arms:
         t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, str(ROOT / "lanpo.py"), *ARMS[name], "--out-dir", str(out / name),
+        flags = ARMS[name]
+        if name == "lanpo+self-distill":
+            flags = flags + ["--self-distill-coef", str(args.self_distill_coef)]
+        done = subprocess.run([sys.executable, str(ROOT / "lanpo.py"), *flags, "--out-dir", str(out / name),
                                *common], capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"arm {name} failed:\n{done.stderr[-3000:]}")

@@ -289,3 +289,29 @@ def test_self_distillation_without_feedback_rollouts(tiny_model_dir, tmp_path, g
     assert all(r["scratch/count"] == 8 for r in records)
     assert records[2]["self_distill_tokens"] == 8 * records[2]["response_len_mean"]  # every rollout taught
     assert records[2]["self_distill_div"] > 0
+
+
+def test_teacher_eos_probe_builds_the_training_teacher_prompt(tiny, tmp_path):
+    """bench/teacher_eos.py must probe the teacher that training builds: for a step-2 from-scratch trial,
+    the reflection prompt on the newest step-1 trial, as build_prompts makes it with --self-distill-coef."""
+    import importlib.util
+    from pathlib import Path
+
+    from pool import ExperiencePool, Trial
+
+    spec = importlib.util.spec_from_file_location("teacher_eos", Path(__file__).parents[1] / "bench" / "teacher_eos.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    _, tokenizer = tiny
+    problem = {"id": "p1", "problem": "What is 3 + 4?", "answer": "7"}
+    earlier = [Trial("p1", problem["problem"], "scratch", "", "3 + 4 = 8. \\boxed{8}", 0.0, 1),
+               Trial("p1", problem["problem"], "scratch", "", "3 + 4 = 7. \\boxed{7}", 1.0, 1)]
+    pool = ExperiencePool()
+    pool.add(earlier)
+    cfg = lanpo.parse_config(["--self-distill-coef", "1"])
+    built = lanpo.build_prompts(tokenizer, [problem], pool, {}, cfg)
+    pool.add([Trial("p1", problem["problem"], "scratch", "", "7. \\boxed{7}", 1.0, 2)])
+    pool.save(tmp_path / "pool.jsonl")
+    pairs = probe.pairs(tmp_path / "pool.jsonl", tokenizer, lanpo.Config())
+    assert pairs == [(built[0].plain, built[0].teacher, "7. \\boxed{7}")]
+    assert "\\boxed{7}" in built[0].teacher and "\\boxed{8}" not in built[0].teacher  # the newest attempt only
