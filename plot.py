@@ -2,6 +2,7 @@
 reward by rollout kind, training accuracy, held-out eval accuracy, response length.
 
     python plot.py runs/ablate/grpo runs/ablate/lanpo -o curves.png
+    python plot.py grpo=runs/a/grpo sd-0.1=runs/b/lanpo+self-distill -o curves.png   # legend names
 """
 
 from __future__ import annotations
@@ -68,10 +69,17 @@ def plot(runs: dict[str, list[dict]], out: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
+    ap.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files), each optionally "
+                    "NAME=PATH to set its legend name (default: the run directory's name)")
     ap.add_argument("-o", "--out", default="runs/curves.png", help="PNG to write")
     args = ap.parse_args(argv)
-    runs = {Path(r).name if Path(r).is_dir() else Path(r).parent.name: read_metrics(r) for r in args.runs}
+    runs = {}
+    for arg in args.runs:
+        name, _, path = arg.rpartition("=") if "=" in arg and not Path(arg).exists() else ("", "", arg)
+        name = name or (Path(path).name if Path(path).is_dir() else Path(path).parent.name)
+        if name in runs:
+            raise SystemExit(f"two runs are named {name!r}: label them, e.g. {name}-2={path}")
+        runs[name] = read_metrics(path)
     path = plot(runs, args.out)
     print(f"wrote {path}")
     return path

@@ -3,6 +3,7 @@
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -115,7 +116,7 @@ def test_bad_input_fails_before_generation(tmp_path):
         evaluate.main(["--model", "no/such-model", "--benchmarks", str(no_answer), "--samples", "4"])
 
 
-def test_plot_overlays_runs(tmp_path):
+def test_plot_overlays_runs(tmp_path, monkeypatch):
     for name, shift in (("grpo", 0.0), ("lanpo", 0.1)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(
@@ -124,6 +125,12 @@ def test_plot_overlays_runs(tmp_path):
             for s in range(1, 6)))
     out = plot.main([str(tmp_path / "grpo"), str(tmp_path / "lanpo"), "-o", str(tmp_path / "c.png")])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="two runs are named 'grpo'"):
+        plot.main([str(tmp_path / "grpo"), str(tmp_path / "grpo" / "metrics.jsonl")])
+    seen = {}
+    monkeypatch.setattr(plot, "plot", lambda runs, out: seen.update(runs) or Path(out))
+    plot.main([str(tmp_path / "grpo"), f"grpo-2={tmp_path / 'lanpo'}", "-o", str(tmp_path / "d.png")])
+    assert list(seen) == ["grpo", "grpo-2"] and seen["grpo-2"][0]["reward_mean"] == pytest.approx(0.31)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "metrics.jsonl").write_text("{not json\n")
     with pytest.raises(SystemExit, match="line 1 is not JSON"):
