@@ -312,7 +312,7 @@ def feedback_model_texts(tokenizer, problems: list[dict], lessons: dict[str, str
                          kinds: list[str], cfg: Config, eos_ids: list[int]) -> list[Completion]:
     """RLTF-FM's targets: for each problem with principles this step, (the problem and the group's first
     from-scratch attempt) -> (the principles, then the end-of-turn token), as a prompt/completion pair."""
-    end_of_turn = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_ids[0]
+    end_of_turn = models.end_of_turn_id(tokenizer, eos_ids)
     texts = []
     for g, problem in enumerate(problems):
         if problem["id"] not in lessons:

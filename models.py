@@ -127,3 +127,9 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     if not ids:
         raise SystemExit("the model defines no EOS token: generation could never stop")
     return sorted(set(ids))
+
+
+def end_of_turn_id(tokenizer, eos_ids: list[int]) -> int:
+    """The token a written-out response ends with: the tokenizer's EOS (the chat template's end of turn),
+    else the first of eos_token_ids."""
+    return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_ids[0]

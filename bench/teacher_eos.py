@@ -10,9 +10,9 @@ the full vocabulary, at the end-of-turn position and elsewhere.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,30 +23,28 @@ import distill  # noqa: E402
 import grpo  # noqa: E402
 import lanpo  # noqa: E402
 import models  # noqa: E402
-import prompts  # noqa: E402
-import reflect  # noqa: E402
+from pool import ExperiencePool  # noqa: E402
 
 
 def pairs(pool_path: Path, tokenizer, cfg: lanpo.Config) -> list[tuple[str, str, str]]:
-    """(plain prompt, reflection prompt, response) for every from-scratch trial that has an earlier-step
-    trial of its problem to reflect on, as build_prompts would have made them at that step."""
-    by_problem = defaultdict(list)
-    for n, line in enumerate(pool_path.read_text().splitlines(), 1):
-        try:
-            trial = json.loads(line)
-            by_problem[trial["problem_id"]].append(trial)
-        except (json.JSONDecodeError, KeyError) as e:
-            raise SystemExit(f"{pool_path}:{n}: not a pool trial ({e})") from e
-    out = []
-    for trials in by_problem.values():
-        for t in trials:
-            earlier = [e for e in trials if e["step"] < t["step"]]
-            if t["kind"] != "scratch" or not earlier:
+    """(plain prompt, teacher prompt, response) for every from-scratch trial whose problem was tried at an
+    earlier step. The saved pool is replayed step by step, and lanpo.build_prompts makes each problem's
+    prompts from the trials of earlier steps, as training did (cfg needs --self-distill-coef > 0)."""
+    saved = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems)
+    saved.load(pool_path)  # names the line that is not a trial
+    trials = sorted((t for ts in saved.trials.values() for t in ts), key=lambda t: t.step)
+    replay, out = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems), []
+    for _, at_step in itertools.groupby(trials, key=lambda t: t.step):
+        at_step = list(at_step)
+        built = {}  # problem id -> its prompts this step, built once for all its trials
+        for t in at_step:
+            if t.kind != "scratch" or not replay.attempts(t.problem_id, 1):
                 continue
-            shown = [reflect.shorten(earlier[-1]["response"], tokenizer, cfg.attempt_tokens)]
-            plain = prompts.render_prompt(tokenizer, prompts.problem_request(t["problem"]), cfg.one_shot)
-            teacher = prompts.render_prompt(tokenizer, reflect.reflection_request(t["problem"], shown), cfg.one_shot)
-            out.append((plain, teacher, t["response"]))
+            if t.problem_id not in built:
+                problem = {"id": t.problem_id, "problem": t.problem, "answer": ""}
+                built[t.problem_id] = lanpo.build_prompts(tokenizer, [problem], replay, {}, cfg)[0]
+            out.append((built[t.problem_id].plain, built[t.problem_id].teacher, t.response))
+        replay.add(at_step)
     return out
 
 
@@ -64,14 +62,14 @@ def main() -> None:
     ap.add_argument("--model", default=lanpo.Config.model, help="the model to probe (default: the embedded one)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench/teacher_eos.json", help="per-response numbers")
     args = ap.parse_args()
-    cfg = lanpo.Config()
+    cfg = lanpo.parse_config(["--self-distill-coef", "1"])  # the default run's settings, with a teacher
     tokenizer = models.load_tokenizer(args.model)
     model = models.load_policy(args.model, torch.float32).eval()
     eos = models.eos_token_ids(model, tokenizer)
-    end_of_turn = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos[0]
+    end_of_turn = models.end_of_turn_id(tokenizer, eos)
     rows = []
     for plain, teacher, response in pairs(args.pool, tokenizer, cfg):
-        completion = tokenizer(response, add_special_tokens=False).input_ids
+        completion = lanpo.token_ids(tokenizer, response).tolist()
         if len(completion) >= cfg.max_new_tokens:  # truncated: it never chose to stop
             continue
         completion = completion + [end_of_turn]

@@ -312,6 +312,6 @@ def test_teacher_eos_probe_builds_the_training_teacher_prompt(tiny, tmp_path):
     built = lanpo.build_prompts(tokenizer, [problem], pool, {}, cfg)
     pool.add([Trial("p1", problem["problem"], "scratch", "", "7. \\boxed{7}", 1.0, 2)])
     pool.save(tmp_path / "pool.jsonl")
-    pairs = probe.pairs(tmp_path / "pool.jsonl", tokenizer, lanpo.Config())
+    pairs = probe.pairs(tmp_path / "pool.jsonl", tokenizer, cfg)
     assert pairs == [(built[0].plain, built[0].teacher, "7. \\boxed{7}")]
     assert "\\boxed{7}" in built[0].teacher and "\\boxed{8}" not in built[0].teacher  # the newest attempt only
