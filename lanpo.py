@@ -392,7 +392,7 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
     for epoch in range(cfg.ppo_epochs):
         for j, (ids, attn, cmask) in enumerate(batches):
             adv = advantages[micro[j]].to(device)
-            with contextlib.nullcontext() if j == n_passes - 1 else accelerator.no_sync(model):  # sync grads once
+            with micro_batch(accelerator, model, last=j == n_passes - 1):
                 if taught is not None:  # stop-gradient teacher: the current model shown the feedback; its
                     with torch.no_grad():  # logits are freed before the student's forward pass
                         teacher_logps, teacher_ids = distill.teacher_logprobs(grpo.completion_logits(
@@ -426,19 +426,19 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
                     if taught_mask.sum() > 0:
                         stats.setdefault("self_distill_div", []).append(
                             ((div.sum() / taught_mask.sum()).item(), taught_mask.sum().item()))
-                accelerator.backward(total)
+                backward(accelerator, total)
             weight = s.pop("tokens")
             s["loss"] = loss.item()
             s["entropy"] = (entropy.sum() / cmask.sum().clamp(min=1)).item()
             for k, v in s.items():
                 stats.setdefault(k, []).append((v, weight))
         for j, ((ids, attn, cmask), text_weights) in enumerate(modelled):
-            with contextlib.nullcontext() if len(batches) + j == n_passes - 1 else accelerator.no_sync(model):
+            with micro_batch(accelerator, model, last=len(batches) + j == n_passes - 1):
                 # cross-entropy of the principles at temperature 1: a supervised target, not a sample
                 target_logps = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch)[0]
                 fm_loss, nll = distill.feedback_model_loss(target_logps, text_weights, cfg.feedback_model_coef,
                                                            window["feedback_tokens"])
-                accelerator.backward(fm_loss)
+                backward(accelerator, fm_loss)
             n_tokens = (cmask.sum(dim=1) * text_weights).sum().item()
             stats.setdefault("feedback_model_loss", []).append((fm_loss.item(), 1.0))
             if n_tokens:
@@ -510,22 +510,70 @@ def mean_over_processes(stats: dict[str, float]) -> dict[str, float]:
 
 @contextlib.contextmanager
 def gathered_for_generation(model, accelerator):
-    """Full parameters for generate(): under DeepSpeed ZeRO-3 they are gathered from their shards for the
-    duration (as TRL does; costs one full copy of the weights per GPU), under FSDP the full parameters are
-    summoned; otherwise nothing is needed."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    """Full parameters for the forwards outside the update (generate, relevance, embeddings), so that
+    they make no collective calls and processes may run different numbers of them. ZeRO-3: gathered from
+    their shards for the duration (as TRL does); FSDP2: every layer unsharded once and kept so (as its
+    docs suggest for evaluation). Either costs one full copy of the weights per GPU for that time; under
+    DDP and ZeRO-2 the weights are whole already. Every process must enter it (the gathering is collective)."""
+    plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and plugin.zero_stage == 3:
         import deepspeed
 
+        # ZeRO-3's per-module hooks would still make a collective check at the start of every forward:
+        # they come off for the duration and are registered again after (as TRL does)
+        hooks = model.optimizer.parameter_offload
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            yield
-    elif getattr(accelerator.state, "fsdp_plugin", None) is not None:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            hooks._remove_module_hooks()
+            try:
+                yield
+            finally:
+                hooks.forward_hooks, hooks.backward_hooks = [], []
+                hooks.setup_zero_stage3_hooks()
+    elif accelerator.is_fsdp2:
+        from torch.distributed.fsdp import FSDPModule
 
-        with FSDP.summon_full_params(model, writeback=False, recurse=True):
+        shards = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        model.set_reshard_after_forward(False)
+        for m in shards:
+            m.unshard()
+        try:
             yield
+        finally:
+            for m in shards:
+                m.reshard()
+            model.set_reshard_after_forward(accelerator.state.fsdp_plugin.reshard_after_forward)
     else:
         yield
+
+
+@contextlib.contextmanager
+def micro_batch(accelerator, model, last: bool):
+    """One forward/backward of an update that accumulates over several. Gradients are reduced across
+    processes only on the last (DDP and FSDP skip the sync before it), and DeepSpeed, which clips and
+    steps inside backward(), steps only there: accelerate passes it sync_gradients as the boundary."""
+    accelerator.sync_gradients = last
+    with contextlib.nullcontext() if last else accelerator.no_sync(model):
+        yield
+
+
+def backward(accelerator, loss: torch.Tensor) -> None:
+    """loss.backward() through accelerate. lanpo's losses are normalised over the whole batch already, so
+    DeepSpeed must not divide them again by its gradient_accumulation_steps."""
+    extra = {"scale_wrt_gas": False} if accelerator.state.deepspeed_plugin is not None else {}
+    accelerator.backward(loss, **extra)
+
+
+def check_launch(accelerator, cfg: Config) -> None:
+    """Refuse a launch that cannot be what the user asked for: several processes started (WORLD_SIZE) but
+    accelerate sees one, which would run independent copies of the job into one --out-dir; or FSDP1."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes == 1:
+        raise SystemExit(f"{launched} processes were launched (WORLD_SIZE={launched}) but accelerate runs this one "
+                         "alone, so each would train its own copy into --out-dir. On GPUs use accelerate launch "
+                         "with a config from configs/; on CPU pass --cpu (torchrun --nproc_per_node N lanpo.py --cpu)")
+    if getattr(accelerator.state, "fsdp_plugin", None) is not None and not accelerator.is_fsdp2:
+        raise SystemExit("FSDP1 is not supported: use FSDP2 (fsdp_version: 2 in the accelerate config, as in "
+                         "configs/fsdp.yaml)")
 
 
 NO_UPDATE = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 1.0, "kl": 0.0, "loss": 0.0, "entropy": 0.0,
@@ -586,6 +634,7 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int, pool:
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()  # every process's shards and RNG states are in tmp before the rename
         if accelerator.is_main_process:
             (tmp / "lanpo_state.json").write_text(json.dumps({"step": step}))
             pool.save(tmp / "pool.jsonl")
@@ -649,9 +698,12 @@ def start_wandb(cfg: Config, accelerator):
 def main(cfg: Config) -> ExperiencePool:
     """Train; returns this process's experience pool (the same on every process)."""
     on_gpu = torch.cuda.is_available() and not cfg.cpu
-    accelerator = Accelerator(cpu=cfg.cpu, mixed_precision="bf16" if cfg.dtype == "bf16-mixed" or (
-        cfg.dtype == "auto" and on_gpu) else "no")
+    # step_scheduler_with_optimizer=False: accelerate would otherwise step the LR schedule once per process
+    # per update (it assumes a dataloader whose batches grew with the process count)
+    accelerator = Accelerator(cpu=cfg.cpu, step_scheduler_with_optimizer=False, mixed_precision="bf16" if (
+        cfg.dtype == "bf16-mixed" or (cfg.dtype == "auto" and on_gpu)) else "no")
     world, rank = accelerator.num_processes, accelerator.process_index
+    check_launch(accelerator, cfg)
     if cfg.batch_problems % world:
         raise SystemExit(f"--batch-problems {cfg.batch_problems} must be a multiple of the {world} processes "
                          "(each process takes whole groups)")
@@ -659,9 +711,6 @@ def main(cfg: Config) -> ExperiencePool:
     if (per_process * cfg.group_size) % cfg.micro_batch:
         raise SystemExit(f"--micro-batch {cfg.micro_batch} does not divide the {per_process * cfg.group_size} "
                          f"rollouts of each of the {world} processes")
-    if cfg.feedback_model_coef > 0 and accelerator.state.deepspeed_plugin is not None:
-        raise SystemExit("--feedback-model-coef adds a varying number of micro-batches to each step, which "
-                         "DeepSpeed's fixed gradient_accumulation_steps cannot follow: use DDP or FSDP")
     if cfg.drop_zero_adv_groups and world > 1:
         raise SystemExit("--drop-zero-adv-groups runs in one process only: processes with different numbers of "
                          "micro-batches would stall each other's gradient synchronisation")
@@ -709,9 +758,11 @@ def main(cfg: Config) -> ExperiencePool:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None:  # DeepSpeed steps inside backward() every gradient_accumulation_steps micro-batches
+    if plugin is not None:  # DeepSpeed clips and steps inside backward(), at the boundary micro_batch() marks;
+        # these two only have to agree with its batch-size check (the loss is never divided by them)
         plugin.deepspeed_config["gradient_accumulation_steps"] = per_process * cfg.group_size // cfg.micro_batch
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch
+        plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = accelerator.unwrap_model(model)  # generate() lives on the unwrapped module
 
@@ -737,7 +788,8 @@ def main(cfg: Config) -> ExperiencePool:
     pool = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index)
     lessons_cache: dict[str, dict] = {}
     if start_step:
-        pool.load(latest / "pool.jsonl")
+        with gathered_for_generation(model, accelerator):
+            pool.load(latest / "pool.jsonl")
         lessons_cache = json.loads((latest / "lessons_cache.json").read_text())
 
     from tqdm.auto import tqdm
@@ -757,11 +809,12 @@ def main(cfg: Config) -> ExperiencePool:
         lessons, abstraction = {}, abstract.AbstractionStats()
         wants_lessons = cfg.feedback_ratio > 0 or cfg.feedback_model_coef > 0 or cfg.self_distill_coef > 0
         if cfg.feedback in ("inter", "both") and wants_lessons:
-            lessons, abstraction = abstract.lessons_for(
-                policy, tokenizer, pool, mine, lessons_cache, step, candidates=cfg.inter_candidates,
-                gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
-                attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens, eos_ids=eos_ids,
-                gen_batch=cfg.gen_batch)
+            with gathered_for_generation(model, accelerator):  # processes make different numbers of forwards
+                lessons, abstraction = abstract.lessons_for(
+                    policy, tokenizer, pool, mine, lessons_cache, step, candidates=cfg.inter_candidates,
+                    gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
+                    attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens, eos_ids=eos_ids,
+                    gen_batch=cfg.gen_batch)
             # every process keeps the same cache: entries made anywhere are shared
             for made in gather_object([{p["id"]: lessons_cache[p["id"]] for p in mine if p["id"] in lessons_cache}]):
                 lessons_cache.update(made)
@@ -836,9 +889,11 @@ def main(cfg: Config) -> ExperiencePool:
                              f"Checkpoints so far: {[p.name for p in checkpoint_dirs(out_dir)]}")
 
         # 6. remember every trial of every process: the pool feeds reflection and abstraction later
-        pool.add(gather_object([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, r, step + 1)
+        trials = gather_object([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, r, step + 1)
                                 for prob, p, c, r in zip(rollout_problems, rollout_prompts, completions,
-                                                         rewards.tolist())]))
+                                                         rewards.tolist())])
+        with gathered_for_generation(model, accelerator):  # --retriever policy embeds new problems
+            pool.add(trials)
 
         # 7. log (over all processes' rollouts)
         per_rollout = gather_object([(k, len(c.completion_ids), c.truncated, len(c.prompt_ids))
