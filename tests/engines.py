@@ -26,7 +26,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"ddp": "ddp.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml", "fsdp": "fsdp.yaml"}
-TIMING = ("time_", "tokens_per_s")  # metric columns that measure wall time, not training
 
 
 def launch(engine: str, args: list[str], processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -46,14 +45,9 @@ def launch(engine: str, args: list[str], processes: int = 2, timeout: int = 300)
             command.append("--cpu")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if done.returncode:
-        raise AssertionError(f"{engine} run failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        raise AssertionError(f"{engine} run failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n"
+                             f"{done.stderr[-6000:]}")
     return done
-
-
-def metrics(out_dir: Path) -> list[dict]:
-    """metrics.jsonl without the wall-time columns."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
 def engine_updates(out_dir: Path, rank: int = 0) -> list[int]:

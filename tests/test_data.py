@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from conftest import SHARED_DATA
 
 import data
-from conftest import SHARED_DATA
 
 
 def test_synthetic_is_deterministic_and_answers_are_right():

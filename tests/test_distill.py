@@ -3,19 +3,19 @@ self-distillation, checked on hand-computed cases, random inputs and end-to-end 
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
+from conftest import training_metrics
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_train import documented_metric_keys
 
 import distill
 import grpo
 import lanpo
 from rollout import Completion, pack
-from test_train import documented_metric_keys
 
 P = [0.5, 0.4, 0.1]  # teacher
 Q = [0.8, 0.1, 0.1]  # student
@@ -229,8 +229,7 @@ def _run(tiny_model_dir, out, *extra):
                               "--relevance-threshold", "0", "--abstract-max-tokens", "8",
                               "--report-to", "none", "--lr", "1e-2", *extra])
     lanpo.main(cfg)
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time_") and k != "tokens_per_s"}
-            for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return training_metrics(out)
 
 
 def _weights(run_dir):

@@ -18,9 +18,9 @@ import sys
 
 import pytest
 import torch
-from engines import engine_updates, final_weights, launch, metrics
-
 from conftest import ROOT
+from conftest import training_metrics as metrics
+from engines import engine_updates, final_weights, launch
 
 ENGINES = ["ddp", "zero2", "zero3", "fsdp"]
 STEPS, PPO_EPOCHS = 3, 2

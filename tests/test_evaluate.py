@@ -6,12 +6,12 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import fake_grade
 
 import evaluate
 import math_grader
 import plot
 from pool import ExperiencePool, Trial
-from conftest import fake_grade
 
 
 def test_pass_at_k_closed_form():

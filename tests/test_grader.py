@@ -6,9 +6,9 @@ import threading
 import time
 
 import pytest
+from conftest import SHARED_DATA
 
 import math_grader
-from conftest import SHARED_DATA
 from math_grader import extract_answer, grade
 
 

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from conftest import MEASURED
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -279,7 +280,7 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path, graded_by_parity):
     part = tmp_path / "part"
     _run(tiny_model_dir, part, "--save-every", "1", "--steps", "2")
     resumed = _run(tiny_model_dir, part, "--save-every", "1", "--resume")
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"}  # noqa: E731
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith(MEASURED)}  # noqa: E731
     assert [drop(r) for r in resumed] == [drop(r) for r in full]
     a = (tmp_path / "full" / "checkpoints" / "step-000003" / "pool.jsonl").read_text()
     b = (part / "checkpoints" / "step-000003" / "pool.jsonl").read_text()

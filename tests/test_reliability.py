@@ -10,16 +10,15 @@ import time
 
 import pytest
 import torch
+from conftest import ROOT, fake_grade, training_metrics
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_train import _params
 
 import grpo
 import lanpo
 import math_grader
-from conftest import ROOT
 from pool import ExperiencePool, Trial
-from conftest import fake_grade
-from test_train import _params
 
 RUNNER = """
 import sys
@@ -47,8 +46,7 @@ def _cmd(model_dir, out, *extra):
 
 
 def _metrics(out):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time_") and k != "tokens_per_s"}
-            for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return training_metrics(out)
 
 
 def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path):

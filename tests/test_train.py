@@ -5,9 +5,9 @@ import re
 
 import pytest
 import torch
+from conftest import ROOT
 
 import lanpo
-from conftest import ROOT
 
 
 def documented_metric_keys() -> set[str]:
@@ -126,3 +126,11 @@ def test_a_finished_run_is_never_overwritten(tiny_model_dir, tmp_path, graded_by
     with pytest.raises(SystemExit, match="already holds a run .* pass --resume"):
         run(tiny_model_dir, tmp_path)
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+
+
+def test_no_final_checkpoint_keeps_only_the_weights(tiny_model_dir, tmp_path, graded_by_parity):
+    run(tiny_model_dir, tmp_path, "--no-final-checkpoint", "--eval-every", "0")
+    assert (tmp_path / "run" / "final" / "config.json").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    run(tiny_model_dir, tmp_path / "with", "--eval-every", "0")  # the default keeps a resumable last step
+    assert [p.name for p in (tmp_path / "with" / "run" / "checkpoints").iterdir()] == ["step-000002"]
