@@ -66,6 +66,46 @@ ADVERSARIAL = [
 ]
 
 
+# Hostile answers (towers, huge factorials, limits in disguise): each must be decided by size limits or
+# exact integer reasoning in well under 100 ms, never by the time bound. tests/test_grader.py checks the
+# verdicts; this bench times them.
+HOSTILE = [("2^{2^{1000}}", "4^{2^{999}}", True), ("2^{2^{1000}}", "2^{2^{999}}", False),
+           ("2^{2^{1000}}", "16", False), ("3^{2^{1000}}", "2^{2^{1000}}", False), ("(10^{12})!", "1", False),
+           ("(10^{12})!", "(10^{12})!", True), ("1000000!", "10^{100}", False), ("(1+10^{-50})^{10^{50}}", "e", False),
+           ("(1+\\frac{1}{10^{50}})^{10^{50}}", "e", False), ("2^{10^{6}} - 1", "0", False),
+           ("10^{10^{10}} + 1", "10^{10^{10}}", False), ("9^{9^{9}}", "3^{2 \\cdot 9^{9}}", False),
+           ("2^{2^{2^{2^{2^{2^{2^{2}}}}}}}!", "1", False), ("10^{10^{10^{10}}}", "1", False)]
+
+
+def hostile_row() -> dict:
+    times, wrong = [], 0
+    before = math_grader.timeouts()
+    for pred, gold, label in HOSTILE:
+        t0 = time.perf_counter()
+        wrong += math_grader.grade(f"\\boxed{{{pred}}}", gold) != float(label)
+        times.append(time.perf_counter() - t0)
+    return {"cases": len(HOSTILE), "wrong": wrong, "max_ms": 1000 * max(times),
+            "timeouts": math_grader.timeouts() - before, "slowest": HOSTILE[int(np.argmax(times))][0]}
+
+
+def batch_row(n: int = 16) -> dict:
+    """n symbolic checks (sqrt rewrites, distinct so no cache answers them) graded one by one and as a batch."""
+    def pairs(offset):
+        ks = range(offset + 2, offset + 2 + n)
+        return [f"\\boxed{{{k}\\sqrt{{{p}}}}}" for k, p in zip(ks, [2, 3, 5, 7] * n)], \
+               [f"\\sqrt{{{k * k * p}}}" for k, p in zip(ks, [2, 3, 5, 7] * n)]
+    responses, golds = pairs(0)
+    t0 = time.perf_counter()
+    one_by_one = [math_grader.grade(r, g) for r, g in zip(responses, golds)]
+    sequential = time.perf_counter() - t0
+    responses, golds = pairs(1000)
+    t0 = time.perf_counter()
+    batch = math_grader.grade_batch(responses, golds)
+    concurrent = time.perf_counter() - t0
+    return {"checks": n, "processes": math_grader.POOL_SIZE, "sequential_s": sequential, "batch_s": concurrent,
+            "all_equal": all(one_by_one) and all(batch)}
+
+
 def verify_directly(pred: str, gold: str) -> bool:
     """math-verify as its README shows it (gold first), inside a try: it raises on some inputs."""
     from math_verify import parse, verify
@@ -106,6 +146,8 @@ def main() -> None:
                          "errors_by_rule": errors_by_rule}
     results["cases"] = len(cases)
     results["timeouts"] = math_grader.timeouts()
+    results["hostile"] = hostile_row()
+    results["batch"] = batch_row()
     print(f"{len(cases)} labelled pairs from {len(golds)} MATH-500 gold answers")
     print("| grader | accuracy | p50 ms | p99 ms | max ms | errors by rule |")
     print("|---|---|---|---|---|---|")
@@ -114,6 +156,12 @@ def main() -> None:
         print(f"| {name} | {r['accuracy']:.4f} | {r['p50_ms']:.3f} | {r['p99_ms']:.1f} | {r['max_ms']:.0f} | "
               f"{r['errors_by_rule']} |")
     print(f"grader timeouts (scored 0): {results['timeouts']}")
+    h = results["hostile"]
+    print(f"hostile answers: {h['cases']} cases, {h['wrong']} wrong, {h['timeouts']} timeouts, slowest "
+          f"{h['max_ms']:.1f} ms ({h['slowest']})")
+    b = results["batch"]
+    print(f"{b['checks']} symbolic checks: one by one {b['sequential_s']:.2f} s, grade_batch on {b['processes']} "
+          f"processes {b['batch_s']:.2f} s (all right: {b['all_equal']})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
 

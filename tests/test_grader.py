@@ -2,11 +2,12 @@
 
 import json
 import multiprocessing
+import sys
 import threading
 import time
 
 import pytest
-from conftest import SHARED_DATA
+from conftest import ROOT, SHARED_DATA
 
 import math_grader
 from math_grader import extract_answer, grade
@@ -151,8 +152,72 @@ def test_no_code_execution(tmp_path):
 
 def test_timeouts_are_counted():
     before = math_grader.timeouts()
-    grade(ADVERSARIAL[4], "1", timeout=1.0)  # a factorial of a power tower: only the time bound stops sympy
+    # a symbolic check (a pair no other test asks, so no cache answers it) given 0.1 ms: the grader
+    # process is killed and restarted, the answer scores 0
+    assert grade("\\boxed{5\\sqrt{7}}", "\\sqrt{175}", timeout=0.0001) == 0.0
     assert math_grader.timeouts() == before + 1
+    assert grade("\\boxed{5\\sqrt{7}}", "\\sqrt{175}") == 1.0  # and the next check works again
+
+
+# Answer forms models write every day, each family in both directions (equal pairs and near misses)
+FAMILIES = {
+    "number words": [("\\text{twelve}", "12", True), ("twelve", "12", True), ("12", "twelve", True),
+                     ("\\text{Twenty-one}", "21", True), ("one hundred and five", "105", True),
+                     ("three thousand four hundred", "3400", True), ("\\text{eleven}", "12", False),
+                     ("twenty", "2", False), ("\\text{none}", "0", False)],
+    "scientific notation": [("4.5 \\times 10^{3}", "4500", True), ("4500", "4.5 \\times 10^{3}", True),
+                            ("45 \\times 10^{2}", "4500", True), ("4.5\\cdot 10^3", "4500", True),
+                            ("2.5 \\times 10^{-2}", "0.025", True), ("4.5e3", "4500", True),
+                            ("4.5 \\times 10^{3}", "450", False), ("4.5 \\times 10^{2}", "4500", False),
+                            ("2.5 \\times 10^{-2}", "0.25", False)],
+    "inequalities and intervals": [
+        ("x \\ge 3", "[3,\\infty)", True), ("x \\geq 3", "[3, \\infty)", True), ("3 \\le x", "[3,\\infty)", True),
+        ("x > 3", "[3,\\infty)", False), ("x \\ge 3", "(3,\\infty)", False),
+        ("|x-1| < 2", "(-1,3)", True), ("|x - 1| \\le 2", "[-1,3]", True), ("|x-1| < 2", "[-1,3]", False),
+        ("|x+2| > 1", "(-\\infty,-3)\\cup(-1,\\infty)", True), ("|x+2| > 1", "(-\\infty,-3]\\cup[-1,\\infty)", False),
+        ("1 < x \\le 3", "(1,3]", True), ("3 \\ge x > 1", "(1,3]", True), ("1 < x < 3", "(1,3]", False),
+        ("x < -1 \\text{ or } x > 1", "(-\\infty,-1)\\cup(1,\\infty)", True),
+        ("x \\le -1 \\text{ or } x > 1", "(-\\infty,-1)\\cup(1,\\infty)", False),
+        ("(-\\infty, 2)", "x < 2", True), ("(2, 5)", "x < 5", False)],
+    "number bases": [("(123)_{4}", "123_4", True), ("123_{4}", "(123)_4", True), ("-(123)_4", "-123_4", True),
+                     ("1011_2", "1011_{2}", True), ("1011", "1011_2", True), ("123_{5}", "123_4", False),
+                     ("(123)_5", "123_4", False), ("-(123)_4", "123_4", False), ("132_4", "123_4", False)],
+    "repeating decimals": [("0.\\overline{6}", "\\frac{2}{3}", True), ("\\frac{2}{3}", "0.\\overline{6}", True),
+                           ("0.1\\overline{6}", "\\frac{1}{6}", True), ("1.\\overline{27}", "\\frac{14}{11}", True),
+                           ("0.\\overline{142857}", "\\frac17", True), ("0.\\overline{6}", "0.6", False),
+                           ("0.1\\overline{6}", "\\frac{1}{3}", False), ("0.\\overline{3}", "\\frac{1}{4}", False)],
+    "style wrappers": [("\\textstyle \\frac{1}{2}", "\\frac12", True), ("\\displaystyle 5", "5", True),
+                       ("\\textstyle\\sqrt{2}", "\\sqrt{2}", True), ("\\textstyle \\frac{1}{3}", "\\frac12", False)],
+    "units": [("5 \\text{ cm}", "5 \\text{ centimeters}", True), ("5", "5 \\text{ cm}", True),
+              ("5 \\text{ cm}", "5", True), ("12 meters", "12 \\text{ m}", True), ("3\\,\\mathrm{kg}", "3", True),
+              ("20 \\text{ square feet}", "20 \\text{ ft}^2", True),
+              ("5 \\text{ m}", "5 \\text{ cm}", False), ("5 \\text{ meters}", "5 \\text{ centimeters}", False),
+              ("12 \\text{ hours}", "12 \\text{ minutes}", False), ("6 \\text{ cm}", "5 \\text{ cm}", False)],
+}
+
+
+@pytest.mark.parametrize("family,pred,gold,equal", [(f, *case) for f, cases in FAMILIES.items() for case in cases])
+def test_answer_form_families(family, pred, gold, equal):
+    assert grade(f"So the answer is \\boxed{{{pred}}}.", gold) == float(equal), (family, pred, gold)
+
+
+sys.path.insert(0, str(ROOT / "bench"))
+from grader import HOSTILE  # noqa: E402  the bench times these cases
+
+
+@pytest.mark.parametrize("pred,gold,equal", HOSTILE)
+def test_hostile_sizes_are_settled_without_sympy(pred, gold, equal):
+    """Towers, huge factorials and limits in disguise: decided by size limits or exact integer reasoning
+    before any evaluation, never by the time bound (the bench times them: bench/grader.py)."""
+    before = math_grader.timeouts()
+    assert grade(f"\\boxed{{{pred}}}", gold) == float(equal)
+    assert math_grader.timeouts() == before
+
+
+def test_grade_batch_agrees_with_grade():
+    cases = [(f"\\boxed{{{p}}}", g) for cases in FAMILIES.values() for p, g, _ in cases]
+    cases += [("\\boxed{2\\sqrt{3}}", "\\sqrt{12}"), ("\\boxed{\\sin^2 x + \\cos^2 x}", "1"), ("no box", "1")]
+    assert math_grader.grade_batch([r for r, _ in cases], [g for _, g in cases]) == [grade(r, g) for r, g in cases]
 
 
 def test_integer_power_towers_are_settled_exactly_without_sympy():
