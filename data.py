@@ -1,5 +1,6 @@
 """Problems to train and evaluate on: a built-in procedural generator (`synthetic:arith`, the embedded
-default) and any hub dataset or local .jsonl/.json/.parquet file through `datasets`.
+default), the benchmark files beside the checkout by name (`gsm8k`, `math500`, ...), local
+.jsonl/.json/.csv files, and parquet files or hub datasets through `datasets`.
 
 Every loader returns a list of dicts with string fields `id`, `problem`, `answer` (and `level` for the
 generator). Rows are validated on load; a bad row is an error that names the file and the row.
@@ -7,13 +8,21 @@ generator). Rows are validated on load; a bad row is an error that names the fil
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 from collections import Counter
 from pathlib import Path
 
+import hub
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "shared" / "data"  # the benchmark files beside the checkout
+BENCHMARKS = {"math500": "math500.jsonl", "aime24": "aime24.jsonl", "aime25": "aime25.jsonl",
+              "amc23": "amc23.jsonl", "gsm8k": "gsm8k_test.jsonl", "math": "math_test.jsonl",
+              "gsm8k_train": "gsm8k_train.jsonl", "math_train": "math_train.jsonl"}
 NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Mia", "Ken", "Zoe"]
 ARITH_LEVELS = 6
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 THINGS = ["apples", "pencils", "stickers", "marbles", "books", "coins", "cards", "shells"]
 
 
@@ -89,8 +98,18 @@ def load_problems(spec: str, split: str, *, size: int = 0, seed: int = 0, levels
             raise SystemExit(f"--dataset {spec}: the built-in generator is 'synthetic:arith'")
         levels = levels or list(range(1, ARITH_LEVELS + 1))
         return synthetic_arith(split, size or train_size, seed, levels, train_size), Counter()
+    if spec in BENCHMARKS:
+        spec = str(benchmark_path(spec, DATA_DIR))
     rows, skipped = validate_rows(read_records(spec, split), spec, id_field, problem_field, answer_field, skip_bad)
     return (rows[:size] if size else rows), skipped
+
+
+def benchmark_path(name: str, data_dir: Path) -> Path:
+    path = data_dir / BENCHMARKS[name]
+    if not path.is_file():
+        raise SystemExit(f"benchmark {name}: {path} not found (the data sets live in ../shared/data beside the "
+                         "checkout; or give a file path)")
+    return path
 
 
 def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
@@ -98,11 +117,21 @@ def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
     JSON Lines are parsed here, line by line, so a broken line is named; parquet and hub data go
     through `datasets`."""
     path = Path(spec)
-    if path.suffix in (".jsonl", ".json", ".parquet"):
+    if path.suffix in FILE_SUFFIXES or path.exists():
+        if path.suffix not in FILE_SUFFIXES:
+            raise SystemExit(f"{spec}: unsupported file type {path.suffix or '(none)'}: use "
+                             f"{', '.join(FILE_SUFFIXES)}")
         if not path.is_file():
             raise SystemExit(f"{spec}: file not found")
         if path.stat().st_size == 0:
             raise SystemExit(f"{spec}: the file is empty")
+    if path.suffix == ".csv":
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                return [(f"line {reader.line_num}", row) for row in reader]
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise SystemExit(f"{spec}: not a readable UTF-8 CSV file ({e})") from None
     if path.suffix == ".jsonl":
         records = []
         for line_no, raw in enumerate(path.read_bytes().splitlines(), 1):
@@ -130,6 +159,8 @@ def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
         return [(f"item {i}", r) for i, r in enumerate(data)]
     from datasets import load_dataset
 
+    if path.suffix != ".parquet":
+        hub.require(spec, "dataset", "--dataset", "README.md")
     try:
         table = (load_dataset("parquet", data_files=str(path), split="train") if path.suffix == ".parquet"
                  else load_dataset(spec, split=split))
@@ -145,7 +176,7 @@ def validate_rows(records: list[tuple[str, dict]], source: str, id_field: str, p
     stops the run with a message naming source and row, or, with `skip_bad`, is dropped and counted."""
     if not records:
         raise SystemExit(f"{source}: no rows")
-    columns = set(records[0][1])
+    columns = {name for _, record in records for name in record}  # a column only some rows have still counts
     for flag, name in (("--problem-field", problem_field), ("--answer-field", answer_field)):
         if name not in columns:
             raise SystemExit(f"{source}: no column {name!r} ({flag}); columns are {sorted(columns)}")

@@ -33,9 +33,6 @@ import reflect
 from pool import ExperiencePool
 from rollout import generate_completions
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "shared" / "data"
-BENCHMARKS = {"math500": "math500.jsonl", "aime24": "aime24.jsonl", "aime25": "aime25.jsonl",
-              "amc23": "amc23.jsonl", "gsm8k": "gsm8k_test.jsonl", "math": "math_test.jsonl"}
 MODES = ("zero-shot", "reflect", "abstract")
 
 
@@ -176,19 +173,16 @@ def turn2_summary(records: list[dict], samples: int) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ CLI
 
 def load_benchmark(name: str, data_dir: Path, limit: int, seed: int, split: str) -> list[dict]:
-    """Rows of a benchmark name (see BENCHMARKS), a .jsonl/.json/.parquet path, synthetic:arith, or
+    """Rows of a benchmark name (see data.BENCHMARKS), a .jsonl/.json/.parquet path, synthetic:arith, or
     hub:<dataset id>. --limit takes a seeded random subset, so repeated runs see the same problems."""
-    if name in BENCHMARKS:
-        path = data_dir / BENCHMARKS[name]
-        if not path.exists():
-            raise SystemExit(f"benchmark {name}: {path} not found (set --data-dir)")
-        rows, _ = data.load_problems(str(path), split)
+    if name in data.BENCHMARKS:
+        rows, _ = data.load_problems(str(data.benchmark_path(name, data_dir)), split)
     elif name.startswith("hub:"):
         rows, _ = data.load_problems(name[4:], split)
-    elif name.startswith("synthetic:") or Path(name).suffix in (".jsonl", ".json", ".parquet"):
+    elif name.startswith("synthetic:") or Path(name).suffix in data.FILE_SUFFIXES:
         rows, _ = data.load_problems(name, "test" if name.startswith("synthetic:") else split, size=max(limit, 0))
     else:
-        raise SystemExit(f"unknown benchmark {name!r}: use one of {sorted(BENCHMARKS)}, a .jsonl/.json/.parquet "
+        raise SystemExit(f"unknown benchmark {name!r}: use one of {sorted(data.BENCHMARKS)}, a .jsonl/.json/.parquet "
                          f"path, synthetic:arith, or hub:<dataset>")
     if limit and limit < len(rows):
         rows = random.Random(seed).sample(rows, limit)
@@ -232,10 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=models.EMBEDDED, help="hub id, alias, checkpoint dir (full or LoRA adapter)")
     ap.add_argument("--benchmarks", nargs="+", default=["gsm8k", "math500"],
-                    help=f"names {sorted(BENCHMARKS)}, file paths, synthetic:arith or hub:<id>")
+                    help=f"names {sorted(data.BENCHMARKS)}, file paths, synthetic:arith or hub:<id>")
     ap.add_argument("--mode", nargs="+", default=["zero-shot"], choices=MODES, help="evaluation modes")
     ap.add_argument("--pool", default="", help="training pool.jsonl for --mode abstract (never test answers)")
-    ap.add_argument("--data-dir", default=str(DATA_DIR), help="where benchmark names are looked up")
+    ap.add_argument("--data-dir", default=str(data.DATA_DIR), help="where benchmark names are looked up")
     ap.add_argument("--split", default="test", help="split of hub datasets")
     ap.add_argument("--limit", type=int, default=0, help="seeded random subset of N problems per benchmark (0 = all)")
     ap.add_argument("--seed", type=int, default=0, help="seed for the subset and for sampling")
@@ -256,6 +250,15 @@ def main(argv: list[str] | None = None) -> dict:
                             attempt_tokens=args.attempt_tokens, relevance_threshold=args.relevance_threshold)
     if args.samples < 1:
         raise SystemExit("--samples must be >= 1")
+    for flag in ("limit", "max_new_tokens", "gen_batch", "attempt_tokens"):
+        if getattr(args, flag) < (0 if flag == "limit" else 1):
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'limit' else 1}, "
+                             f"got {getattr(args, flag)}")
+    out_dir = Path(args.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"--out-dir {out_dir} is a file, not a directory: choose another --out-dir")
+    if (out_dir / "summary.json").exists() or (out_dir / "problems.jsonl").exists():
+        raise SystemExit(f"{out_dir} already holds an evaluation: choose another --out-dir (nothing was changed)")
     if args.temperature == 0 and args.samples != 1:
         raise SystemExit("greedy decoding (--temperature 0) gives one distinct sample: use --samples 1")
     pool = None
@@ -267,13 +270,13 @@ def main(argv: list[str] | None = None) -> dict:
     # every benchmark is loaded and checked before the model is
     benchmarks = {Path(name).name: load_benchmark(name, Path(args.data_dir), args.limit, args.seed, args.split)
                   for name in args.benchmarks}  # a file path is shown by its file name
+    models.check_available(args.model)
 
     tokenizer = models.load_tokenizer(args.model)
     model = models.load_policy(args.model, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     if torch.cuda.is_available():
         model = model.to("cuda")
     eos_ids = models.eos_token_ids(model, tokenizer)
-    out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, float]]] = {}
     args.mode = sorted(set(args.mode), key=MODES.index)  # zero-shot first: reflect reuses it as turn 1

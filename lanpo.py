@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,22 +176,32 @@ def check_config(cfg: Config) -> None:
     rollouts = cfg.batch_problems * cfg.group_size
     if cfg.group_size < 2:
         raise SystemExit("--group-size must be >= 2: GRPO's advantage compares rollouts of one problem")
+    for name in ("steps", "batch_problems", "synthetic_size", "max_new_tokens", "ppo_epochs", "gen_batch", "keep_last",
+                 "micro_batch"):
+        if getattr(cfg, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if rollouts % cfg.micro_batch:
         raise SystemExit(f"--micro-batch {cfg.micro_batch} does not divide B*G = {cfg.batch_problems}*"
                          f"{cfg.group_size} = {rollouts}; pick a divisor of {rollouts}")
-    for name in ("steps", "batch_problems", "synthetic_size", "max_new_tokens", "ppo_epochs", "gen_batch", "keep_last"):
-        if getattr(cfg, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if not 0.0 <= cfg.feedback_ratio <= 1.0:
         raise SystemExit(f"--feedback-ratio must be in [0, 1], got {cfg.feedback_ratio}")
     if not 0.0 <= cfg.relevance_threshold <= 1.0:
         raise SystemExit(f"--relevance-threshold must be in [0, 1], got {cfg.relevance_threshold}")
     for name in ("max_bad_updates", "reflect_attempts", "attempt_tokens", "inter_candidates", "abstract_refresh",
-                 "abstract_max_tokens", "pool_per_problem", "pool_max_problems"):
+                 "abstract_max_tokens", "pool_per_problem", "pool_max_problems", "lora_alpha", "max_prompt_tokens"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.temperature <= 0:
         raise SystemExit("--temperature must be > 0 for sampling (evaluation decodes greedily on its own)")
+    for name in ("lr", "beta", "weight_decay", "max_grad_norm", "eps_high", "train_size", "eval_size", "eval_every",
+                 "save_every", "warmup_steps", "lora_rank"):
+        if getattr(cfg, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise SystemExit(f"--top-p must be in (0, 1] (1 = off), got {cfg.top_p}")
+    if not 0.0 <= cfg.eps_low < 1.0:
+        raise SystemExit(f"--eps-low must be in [0, 1): the ratio is clipped below at 1 - eps_low, got {cfg.eps_low}")
+    parse_levels(cfg.levels)
     for name in ("distill_is_cap", "feedback_model_coef", "self_distill_coef", "self_distill_topk"):
         if getattr(cfg, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
@@ -227,14 +238,19 @@ def drop_long_prompts(rows: list[dict], tokenizer, cfg: Config, skipped) -> list
 
 
 def parse_levels(text: str) -> list[int]:
-    """'1-3' -> [1, 2, 3]; '1,4' -> [1, 4]."""
+    """'1-3' -> [1, 2, 3]; '1,4' -> [1, 4]; every level in 1..data.ARITH_LEVELS."""
     try:
         if "-" in text:
             lo, hi = text.split("-")
-            return list(range(int(lo), int(hi) + 1))
-        return [int(x) for x in text.split(",")]
+            levels = list(range(int(lo), int(hi) + 1))
+        else:
+            levels = [int(x) for x in text.split(",")]
     except ValueError:
         raise SystemExit(f"--levels {text!r}: expected a range like 1-3 or a list like 1,2,5") from None
+    if not levels or not all(1 <= level <= data.ARITH_LEVELS for level in levels):
+        raise SystemExit(f"--levels {text!r}: synthetic:arith has levels 1-{data.ARITH_LEVELS}; a range goes "
+                         "from low to high (e.g. 1-3)")
+    return levels
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -330,7 +346,7 @@ def feedback_model_texts(tokenizer, problems: list[dict], lessons: dict[str, str
 
 
 def grade_all(completions: list[Completion], answers: list[str]) -> torch.Tensor:
-    return torch.tensor([math_grader.grade(c.text, gold) for c, gold in zip(completions, answers)])
+    return torch.tensor(math_grader.grade_batch([c.text for c in completions], answers))
 
 
 def policy_update(model, ref_model, optimizer, scheduler, accelerator, completions: list[Completion],
@@ -625,10 +641,11 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int, pool: ExperiencePool,
-                    lessons_cache: dict) -> Path:
+                    lessons_cache: dict, policy, tokenizer) -> Path:
     """Model, optimizer, scheduler and RNG states via accelerate, the step, the experience pool and the
     lessons cache; written to a .tmp dir and renamed, so a kill mid-save never shadows the previous good
-    checkpoint."""
+    checkpoint. Where the weights are one plain model.safetensors (not LoRA, not sharded), the model config
+    and tokenizer go beside them, so the checkpoint is also a model directory evaluate.py can load."""
     final = out_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
@@ -639,6 +656,9 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int, pool:
         accelerator.wait_for_everyone()  # every process's shards and RNG states are in tmp before the rename
         if accelerator.is_main_process:
             (tmp / "lanpo_state.json").write_text(json.dumps({"step": step}))
+            if (tmp / "model.safetensors").exists() and not hasattr(policy, "peft_config"):
+                policy.config.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
             pool.save(tmp / "pool.jsonl")
             (tmp / "lessons_cache.json").write_text(json.dumps(lessons_cache))
             shutil.rmtree(final, ignore_errors=True)
@@ -689,17 +709,104 @@ def truncate_metrics(path: Path, done_steps: int) -> None:
     os.replace(tmp, path)
 
 
+RESUMABLE = ("resume", "out_dir", "steps", "save_every", "keep_last", "final_checkpoint", "eval_every", "report_to",
+             "wandb_project", "max_bad_updates")  # settings a resumed run may change: training stays the same
+
+
+def check_out_dir(cfg: Config, out_dir: Path) -> Path | None:
+    """The checkpoint to resume from (None: a new run), or an error before anything is written: --out-dir
+    is a file; it holds a run but --resume is missing; --resume finds no checkpoint there; or --resume with
+    settings that differ from the run's config.json and would change its training (each one named)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"--out-dir {out_dir} is a file, not a directory: choose another --out-dir")
+    found = checkpoint_dirs(out_dir)
+    if not cfg.resume:
+        if (out_dir / "metrics.jsonl").exists() or found:
+            raise SystemExit(f"{out_dir} already holds a run (metrics.jsonl or checkpoints): pass --resume to "
+                             "continue it, or choose another --out-dir; nothing there was changed")
+        return None
+    if not found:
+        raise SystemExit(f"--resume: {out_dir} holds no complete checkpoint (checkpoints/step-*): check the "
+                         "path, or drop --resume to start a new run there")
+    saved_path = out_dir / "config.json"
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
+    changed = [name for name, value in dataclasses.asdict(cfg).items()
+               if name in saved and name not in RESUMABLE and saved[name] != value]
+    if saved.get("steps", cfg.steps) != cfg.steps and cfg.lr_schedule != "constant":
+        changed.append("steps")  # the decay is spread over --steps: more steps change the LR of the rest
+    if changed:
+        raise SystemExit("--resume would change the run: " + ", ".join(
+            f"--{n.replace('_', '-')} {getattr(cfg, n)} (the run has {saved[n]})" for n in changed) +
+            f". Keep the run's settings ({saved_path}) or start a new --out-dir")
+    return found[-1]
+
+
+def wandb_logged_in() -> bool:
+    """An API key in the environment or in ~/.netrc (where `wandb login` puts it)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def check_wandb(cfg: Config) -> None:
+    """--report-to wandb needs the package and, unless WANDB_MODE says offline, a login: said before the
+    model loads. (auto never stops a run: see start_wandb.)"""
+    if cfg.report_to != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise SystemExit("--report-to wandb, but wandb is not installed: pip install wandb (or --report-to none)")
+    if os.environ.get("WANDB_MODE") != "offline" and not wandb_logged_in():
+        raise SystemExit("--report-to wandb, but wandb has no API key: run `wandb login`, set WANDB_API_KEY, or "
+                         "WANDB_MODE=offline (or --report-to auto, which logs offline)")
+
+
 def start_wandb(cfg: Config, accelerator):
+    """The wandb run, or None. auto: online when logged in, else offline (synced later with `wandb sync`),
+    off when wandb is missing or fails to start; one line says which. WANDB_MODE always wins."""
     if cfg.report_to == "none" or not accelerator.is_main_process or os.environ.get("WANDB_MODE") == "disabled":
         return None
     try:
         import wandb
     except ImportError:
+        return None  # check_wandb stopped --report-to wandb already
+    mode = os.environ.get("WANDB_MODE") or ("online" if wandb_logged_in() else "offline")
+    try:
+        run = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), dir=cfg.out_dir,
+                         name=Path(cfg.out_dir).name, resume="allow", mode=mode)
+    except Exception as e:  # noqa: BLE001 - any wandb failure: auto goes on without it, wandb says why
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if cfg.report_to == "wandb":
-            raise SystemExit("--report-to wandb, but wandb is not installed: pip install wandb") from None
+            raise SystemExit(f"--report-to wandb: wandb could not start: {reason}") from None
+        accelerator.print(f"wandb: off ({reason}); metrics go to {Path(cfg.out_dir) / 'metrics.jsonl'} only")
         return None
-    return wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), dir=cfg.out_dir,
-                      name=Path(cfg.out_dir).name, resume="allow")
+    accelerator.print(f"wandb: {mode}" + ("" if mode != "offline" else
+                                          f" (no API key; `wandb sync {Path(cfg.out_dir) / 'wandb'}` uploads it)"))
+    return run
+
+
+def on_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def interrupted(out_dir: Path):
+    """SIGINT handler: stop with one line that says what to resume from, instead of a traceback from
+    wherever Ctrl-C landed (a checkpoint cut short is a .tmp dir, never loaded)."""
+    def stop(signum, frame):
+        saved = checkpoint_dirs(out_dir)
+        raise SystemExit(f"interrupted. Continue from {saved[-1]} with the same command plus --resume" if saved
+                         else "interrupted before the first checkpoint (--save-every N writes them): nothing to resume")
+    return stop
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -725,11 +832,12 @@ def main(cfg: Config) -> ExperiencePool:
     if cfg.drop_zero_adv_groups and world > 1:
         raise SystemExit("--drop-zero-adv-groups runs in one process only: processes with different numbers of "
                          "micro-batches would stall each other's gradient synchronisation")
+    # --- everything that can be checked without a model, before anything is written
     out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    resume_from = check_out_dir(cfg, out_dir)
+    check_wandb(cfg)
+    models.check_available(cfg.model)
     set_seed(cfg.seed)
-
-    # --- data (validated before any model is loaded)
     levels = parse_levels(cfg.levels)
     train_size = cfg.synthetic_size if cfg.dataset.startswith("synthetic:") else cfg.train_size
     train_rows, skipped = data.load_problems(cfg.dataset, cfg.split, size=train_size, seed=cfg.seed, levels=levels,
@@ -747,12 +855,14 @@ def main(cfg: Config) -> ExperiencePool:
     if cfg.dtype == "auto" and on_gpu and cfg.lora_rank > 0:
         dtype = torch.bfloat16  # a frozen base needs no fp32 master copy; peft keeps the adapter in fp32
     tokenizer = models.load_tokenizer(cfg.model)
-    model = models.load_policy(cfg.model, dtype, cfg.gradient_checkpointing, cfg.lora_rank, cfg.lora_alpha,
-                               cfg.lora_targets)
-    eos_ids = models.eos_token_ids(model, tokenizer)
     train_rows = drop_long_prompts(train_rows, tokenizer, cfg, skipped)
     if skipped:
         accelerator.print(f"skipped {sum(skipped.values())} bad rows of {cfg.dataset}: {dict(skipped)}")
+    out_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run may write
+    stop_on_interrupt = signal.signal(signal.SIGINT, interrupted(out_dir)) if on_main_thread() else None
+    model = models.load_policy(cfg.model, dtype, cfg.gradient_checkpointing, cfg.lora_rank, cfg.lora_alpha,
+                               cfg.lora_targets)
+    eos_ids = models.eos_token_ids(model, tokenizer)
     ref_model = None
     if cfg.beta > 0 and cfg.lora_rank == 0:
         ref_dtype = torch.bfloat16 if on_gpu and dtype == torch.float32 else dtype  # forward only
@@ -778,14 +888,10 @@ def main(cfg: Config) -> ExperiencePool:
     policy = accelerator.unwrap_model(model)  # generate() lives on the unwrapped module
 
     start_step = 0
-    if not cfg.resume and ((out_dir / "metrics.jsonl").exists() or checkpoint_dirs(out_dir)):
-        raise SystemExit(f"{out_dir} already holds a run (metrics.jsonl or checkpoints): pass --resume to continue "
-                         "it, or choose another --out-dir; nothing there was changed")
-    if cfg.resume and checkpoint_dirs(out_dir):
-        latest = checkpoint_dirs(out_dir)[-1]
-        accelerator.load_state(str(latest))
-        start_step = json.loads((latest / "lanpo_state.json").read_text())["step"]
-        accelerator.print(f"resumed from {latest} at step {start_step}")
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        start_step = json.loads((resume_from / "lanpo_state.json").read_text())["step"]
+        accelerator.print(f"resumed from {resume_from} at step {start_step}")
     metrics_path = out_dir / "metrics.jsonl"
     if accelerator.is_main_process:
         truncate_metrics(metrics_path, start_step)
@@ -800,8 +906,8 @@ def main(cfg: Config) -> ExperiencePool:
     lessons_cache: dict[str, dict] = {}
     if start_step:
         with gathered_for_generation(model, accelerator):
-            pool.load(latest / "pool.jsonl")
-        lessons_cache = json.loads((latest / "lessons_cache.json").read_text())
+            pool.load(resume_from / "pool.jsonl")
+        lessons_cache = json.loads((resume_from / "lessons_cache.json").read_text())
 
     from tqdm.auto import tqdm
 
@@ -949,7 +1055,7 @@ def main(cfg: Config) -> ExperiencePool:
             progress.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.0f}")
         # after the metrics line: a kill between the two re-runs this step, never loses its line
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or (step + 1 == cfg.steps and cfg.final_checkpoint):
-            save_checkpoint(accelerator, out_dir, step + 1, cfg.keep_last, pool, lessons_cache)
+            save_checkpoint(accelerator, out_dir, step + 1, cfg.keep_last, pool, lessons_cache, policy, tokenizer)
 
     state_dict = accelerator.get_state_dict(model)  # gathers sharded (ZeRO-3/FSDP) weights; all processes call it
     if accelerator.is_main_process:
@@ -959,6 +1065,8 @@ def main(cfg: Config) -> ExperiencePool:
         accelerator.print(f"done: metrics in {metrics_path}, model in {final}")
     if run is not None:
         run.finish()
+    if stop_on_interrupt is not None:
+        signal.signal(signal.SIGINT, stop_on_interrupt)
     return pool
 
 

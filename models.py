@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+import hub
+
 EMBEDDED = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = Path(os.environ.get("LANPO_CACHE", Path.home() / ".cache" / "lanpo"))
@@ -63,6 +65,9 @@ def resolve(name: str) -> tuple[str, dict]:
             raise SystemExit(f"--model {name}: GGUF file not found")
         return str(path.parent), {"gguf_file": path.name}
     if Path(name).is_dir():
+        if (Path(name) / "lanpo_state.json").exists() and not (Path(name) / "config.json").exists():
+            raise SystemExit(f"--model {name}: a training checkpoint of a LoRA or sharded (ZeRO/FSDP) run holds "
+                             "state only --resume reads; evaluate the run's final/ directory instead")
         if not (Path(name) / "config.json").exists() and not is_adapter(name):
             raise SystemExit(f"--model {name}: directory has neither config.json (a model) nor "
                              f"adapter_config.json (a LoRA adapter)")
@@ -73,6 +78,13 @@ def resolve(name: str) -> tuple[str, dict]:
         return name, {}  # a hub id, e.g. Qwen/Qwen2.5-7B
     raise SystemExit(f"--model {name}: not a known alias ({', '.join(sorted(ALIASES))}), "
                      f"a local directory, a .gguf file, '{EMBEDDED}', or an owner/name hub id")
+
+
+def check_available(name: str) -> None:
+    """Stop with one line when --model is a hub id that is neither cached nor reachable."""
+    path, _ = resolve(name)
+    if not Path(path).exists():
+        hub.require(path, "model", "--model", "config.json")
 
 
 def is_adapter(name: str) -> bool:

@@ -43,6 +43,7 @@ def plot(runs: dict[str, list[dict]], out: str | Path) -> Path:
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(3, 2, figsize=(11, 11))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -56,6 +57,7 @@ def plot(runs: dict[str, list[dict]], out: str | Path) -> Path:
                     ax.plot(xs, ys, STYLES.get(key, "-"), color=colors[i % len(colors)], marker=".", label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)

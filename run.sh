@@ -67,13 +67,11 @@ case "$recipe" in
       --save-every 25 --steps 200 --skip-bad-rows --out-dir runs/small-gpu "$@" ;;
   ablate)  # the ablation matrix, one run each under runs/ablate/<name>; extra flags go to every run.
     # CPU by default; LAUNCH="accelerate launch" ./run.sh ablate --model Qwen2.5-1.5B ... on GPUs.
-    [ -n "${LAUNCH:-}" ] || setup_cpu
+    # ./run.sh ablate --dry-run lists the runs and their commands without starting any.
+    dry=0
+    if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
     launch=${LAUNCH:-python}
-    while read -r name flags; do
-      echo "== $name: $flags"
-      # shellcheck disable=SC2086
-      $launch lanpo.py --out-dir "runs/ablate/$name" $flags "$@"
-    done <<'MATRIX'
+    matrix=$(cat <<'MATRIX'
 grpo            --feedback none
 lanpo           --feedback both
 intra-only      --feedback intra
@@ -90,6 +88,18 @@ self-distill    --feedback both --self-distill-coef 1
 feedback-model  --feedback both --relevance-threshold 0.5 --feedback-model-coef 0.1
 sd-only         --feedback both --feedback-ratio 0 --self-distill-coef 1
 MATRIX
+)
+    echo "$(echo "$matrix" | wc -l) runs, each into runs/ablate/<name> (extra flags: ${*:-none}):"
+    while read -r name flags; do
+      echo "  $name: $launch lanpo.py --out-dir runs/ablate/$name $flags $*"
+    done <<< "$matrix"
+    [ "$dry" = 1 ] && exit 0
+    [ -n "${LAUNCH:-}" ] || setup_cpu
+    while read -r name flags; do
+      echo "== $name: $flags"
+      # shellcheck disable=SC2086
+      $launch lanpo.py --out-dir "runs/ablate/$name" $flags "$@"
+    done <<< "$matrix"
     ;;
   *)
     echo "unknown recipe '$recipe'; see the README (default, test, grpo-7b, grpo-14b, lanpo-7b, small-gpu, ablate)" >&2

@@ -1,0 +1,258 @@
+"""A new user's first hour: every mistake stops with one line that names the flag, row or file and what to
+do, before any model is loaded and with nothing written; nothing silent."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import ROOT, SHARED_DATA
+from test_reliability import _cmd
+
+import data
+import evaluate
+import lanpo
+import models
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any attempt to load a model or tokenizer fails the test: every check must come first."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the mistake was reported")
+    monkeypatch.setattr(models, "load_policy", forbidden)
+    monkeypatch.setattr(models, "load_tokenizer", forbidden)
+
+
+def _refused(args: list[str], match: str, tmp_path) -> str:
+    out = tmp_path / "new-run"
+    if "--out-dir" not in args:
+        args = [*args, "--out-dir", str(out)]
+    with pytest.raises(SystemExit) as stop:
+        lanpo.main(lanpo.parse_config(["--report-to", "none", *args]))
+    message = str(stop.value.code)
+    assert match in message and "\n" not in message, message
+    assert not out.exists(), "a refused run wrote its out-dir"
+    return message
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--levels", "3-1"], "--levels"), (["--levels", "0-2"], "--levels"), (["--micro-batch", "-2"], "--micro-batch"),
+    (["--micro-batch", "0"], "--micro-batch"), (["--lr", "-1"], "--lr"), (["--top-p", "2"], "--top-p"),
+    (["--top-p", "0"], "--top-p"), (["--eps-low", "2"], "--eps-low"), (["--beta", "-1"], "--beta"),
+    (["--train-size", "-3"], "--train-size"), (["--eval-every", "-1"], "--eval-every"),
+    (["--save-every", "-1"], "--save-every"), (["--warmup-steps", "-1"], "--warmup-steps"),
+    (["--lora-rank", "-1"], "--lora-rank"), (["--eval-size", "-1"], "--eval-size"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm"), (["--weight-decay", "-0.1"], "--weight-decay")])
+def test_nonsense_flags_are_refused_naming_the_flag(args, flag, no_model, tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        lanpo.parse_config(args)
+    assert flag in str(stop.value.code)
+
+
+def test_levels_parse_and_refuse():
+    assert lanpo.parse_levels("1-3") == [1, 2, 3] and lanpo.parse_levels("2,5") == [2, 5]
+    for bad in ("3-1", "0-2", "1-7", "x", ""):
+        with pytest.raises(SystemExit, match="--levels"):
+            lanpo.parse_levels(bad)
+
+
+def test_out_dir_problems_are_reported_before_the_model(no_model, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    _refused(["--out-dir", str(run)], "already holds a run", tmp_path)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    _refused(["--out-dir", str(a_file)], "is a file, not a directory", tmp_path)
+
+
+def test_resume_without_a_checkpoint_says_so(no_model, tmp_path):
+    _refused(["--out-dir", str(tmp_path / "mistyped"), "--resume"], "holds no complete checkpoint", tmp_path)
+    assert not (tmp_path / "mistyped").exists()
+
+
+def _fake_run(tmp_path, **settings):
+    """A run directory as lanpo leaves it: config.json and one complete checkpoint."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    cfg = lanpo.parse_config(["--out-dir", str(run), *[x for k, v in settings.items()
+                                                         for x in (f"--{k.replace('_', '-')}", str(v))]])
+    (run / "config.json").write_text(json.dumps(lanpo.dataclasses.asdict(cfg)))
+    return run
+
+
+def test_resume_refuses_changed_training_settings_and_allows_the_rest(no_model, tmp_path):
+    run = _fake_run(tmp_path, lr="1e-05")
+    message = _refused(["--out-dir", str(run), "--resume", "--lr", "2e-5", "--group-size", "8"],
+                       "--resume would change the run", tmp_path)
+    assert "--lr 2e-05 (the run has 1e-05)" in message and "--group-size 8 (the run has 4)" in message
+    # more steps, other checkpoint and logging cadence: accepted (it goes on to load the model)
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        lanpo.main(lanpo.parse_config(["--out-dir", str(run), "--resume", "--lr", "1e-05", "--steps", "20",
+                                       "--save-every", "5", "--report-to", "none"]))
+
+
+def test_resume_refuses_more_steps_under_a_decaying_schedule(no_model, tmp_path):
+    run = _fake_run(tmp_path, lr_schedule="cosine")
+    _refused(["--out-dir", str(run), "--resume", "--lr-schedule", "cosine", "--steps", "20"],
+             "--steps 20 (the run has 10)", tmp_path)
+
+
+def test_bad_data_is_reported_before_the_model_and_writes_nothing(no_model, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n{"id": "b", "problem": "", "answer": "3"}\n')
+    _refused(["--dataset", str(rows)], f"{rows}: line 2 has an empty", tmp_path)
+    text = tmp_path / "rows.txt"
+    text.write_text("1+1?\t2\n")
+    _refused(["--dataset", str(text)], "unsupported file type .txt", tmp_path)
+
+
+def test_csv_files_load_and_columns_come_from_every_row(tmp_path):
+    table = tmp_path / "problems.csv"
+    table.write_text("id,problem,answer\n1,What is 2+2?,4\n2,\"What is 3, plus 1?\",4\n3,Empty answer?,\n")
+    with pytest.raises(SystemExit, match="line 4 has an empty"):
+        data.load_problems(str(table), "train")
+    rows, skipped = data.load_problems(str(table), "train", skip_bad=True)
+    assert [r["problem"] for r in rows] == ["What is 2+2?", "What is 3, plus 1?"]
+    assert skipped["empty_or_non_string"] == 1
+    first_row_lacks_answer = tmp_path / "rows.jsonl"
+    first_row_lacks_answer.write_text("\n".join([json.dumps({"id": "0", "problem": "no answer here"})] + [
+        json.dumps({"id": str(i), "problem": f"{i} + 1?", "answer": str(i + 1)}) for i in range(1, 20)]))
+    rows, skipped = data.load_problems(str(first_row_lacks_answer), "train", skip_bad=True)
+    assert len(rows) == 19 and skipped["empty_or_non_string"] == 1
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "gsm8k_test.jsonl").exists(), reason="needs ../shared/data")
+def test_benchmark_names_work_for_training_too():
+    rows, _ = data.load_problems("gsm8k", "train", size=5)
+    assert len(rows) == 5 and all(r["answer"] for r in rows)
+
+
+def _one_line_failure(args: list[str], env_extra: dict, tmp_path) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+    done = subprocess.run([sys.executable, str(ROOT / "lanpo.py"), "--out-dir", str(tmp_path / "out"),
+                           "--report-to", "none", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+    return done.stderr.strip().splitlines()[-1]
+
+
+def test_unreachable_hub_model_or_dataset_is_one_line(tmp_path):
+    closed = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}  # a port nothing listens on
+    line = _one_line_failure(["--model", "nobody-here/no-model"], closed, tmp_path)
+    assert "--model nobody-here/no-model: the Hugging Face Hub cannot be reached" in line and "HF_HUB_OFFLINE" in line
+    line = _one_line_failure(["--model", "nobody-here/no-model"], {"HF_HUB_OFFLINE": "1"}, tmp_path)
+    assert "not in the local cache and HF_HUB_OFFLINE forbids downloading it" in line
+    line = _one_line_failure(["--dataset", "nobody-here/no-data"], closed, tmp_path)
+    assert "--dataset nobody-here/no-data: the Hugging Face Hub cannot be reached" in line
+
+
+def _fake_wandb(monkeypatch, fail_when):
+    modes = []
+
+    def init(**kwargs):
+        modes.append(kwargs["mode"])
+        if fail_when(kwargs["mode"]):
+            raise RuntimeError("No API key configured. Use `wandb login` to log in.\nmore lines")
+        return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    return modes
+
+
+def test_wandb_auto_never_stops_a_run(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: not logged in
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    acc = types.SimpleNamespace(is_main_process=True, print=print)
+    cfg = lanpo.parse_config(["--out-dir", str(tmp_path / "run")])  # --report-to auto
+    modes = _fake_wandb(monkeypatch, fail_when=lambda mode: mode != "offline")
+    assert lanpo.start_wandb(cfg, acc) is not None and modes == ["offline"]
+    assert "wandb: offline (no API key; `wandb sync" in capsys.readouterr().out
+    _fake_wandb(monkeypatch, fail_when=lambda mode: True)
+    assert lanpo.start_wandb(cfg, acc) is None
+    assert "wandb: off (No API key configured. Use `wandb login` to log in.)" in capsys.readouterr().out
+
+
+def test_report_to_wandb_problems_come_before_the_model(no_model, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit, match="wandb is not installed: pip install wandb"):
+        lanpo.main(lanpo.parse_config(["--out-dir", str(tmp_path / "run"), "--report-to", "wandb"]))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "wandb" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit, match="wandb has no API key: run `wandb login`"):
+        lanpo.main(lanpo.parse_config(["--out-dir", str(tmp_path / "run"), "--report-to", "wandb"]))
+    assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(tiny_model_dir, out, "--slow", "--steps", "50"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 120
+    while not (out / "checkpoints" / "step-000002").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+    assert "interrupted. Continue from" in err and "with the same command plus --resume" in err
+
+
+def test_evaluate_refusals_and_intermediate_checkpoints(tiny_model_dir, tmp_path, graded_by_parity):
+    base = ["--benchmarks", "synthetic:arith", "--max-new-tokens", "4"]
+    with pytest.raises(SystemExit, match="--limit must be >= 0"):
+        evaluate.main(["--model", str(tiny_model_dir), *base, "--limit", "-3", "--out-dir", str(tmp_path / "e")])
+    run = tmp_path / "run"
+    lanpo.main(lanpo.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(run), "--steps", "2",
+                                   "--save-every", "1", "--batch-problems", "2", "--group-size", "4",
+                                   "--micro-batch", "4", "--max-new-tokens", "8", "--eval-every", "0",
+                                   "--report-to", "none", "--lr", "1e-2"]))
+    step1 = run / "checkpoints" / "step-000001"
+    results = evaluate.main(["--model", str(step1), *base, "--limit", "2", "--out-dir", str(tmp_path / "e")])
+    assert results["synthetic:arith"]["zero-shot"]["problems"] == 2
+    trained = models.load_policy(str(step1), torch.float32)
+    initial = models.load_policy(str(tiny_model_dir), torch.float32).state_dict()
+    saved = safetensors.torch.load_file(step1 / "model.safetensors")
+    for name, weight in trained.state_dict().items():  # the checkpoint's weights, not the base model's
+        assert torch.equal(weight, saved[name]) and not torch.equal(weight, initial[name]), name
+    with pytest.raises(SystemExit, match="already holds an evaluation"):
+        evaluate.main(["--model", str(step1), *base, "--limit", "2", "--out-dir", str(tmp_path / "e")])
+    (step1 / "config.json").unlink()  # as in a LoRA or sharded run's checkpoint
+    with pytest.raises(SystemExit, match="evaluate the run's final/ directory instead"):
+        evaluate.main(["--model", str(step1), *base, "--limit", "2", "--out-dir", str(tmp_path / "e2")])
+
+
+def test_ablate_lists_its_runs_and_can_dry_run(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "run.sh"), "ablate", "--dry-run", "--steps", "2"],
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and lines[0].startswith("15 runs, each into runs/ablate/<name>")
+    assert len(lines) == 16 and all(line.endswith("--steps 2") for line in lines[1:])
+    assert "  grpo: python lanpo.py --out-dir runs/ablate/grpo --feedback none --steps 2" in lines
+
+
+def test_plot_steps_are_integers(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    import plot
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot.plot({"run": [{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2}]}, tmp_path / "p.png")
+    ticks = saved[0].axes[0].get_xticks()
+    assert all(float(t).is_integer() for t in ticks)
