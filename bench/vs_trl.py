@@ -2,11 +2,12 @@
 the embedded SmolLM2-135M on CPU, the same synthetic:arith problems and one-shot chat prompt, the same
 reward (math_grader.grade), B problems x G samples, max_new_tokens, one policy epoch, beta = 0, the
 `grpo` loss, group-std advantages, no gradient checkpointing, fp32. Runs alternate (ours, TRL, ours, TRL,
-...) in fresh processes; the first step of every run is warm-up and not counted; the table gives the
-median step time of each side, their ratio, and each side's peak resident memory.
+...) in fresh processes; the first step of every run is warm-up and not counted. Prints every timed step
+of each side, the medians with min-max, the ratio of medians with a 95 % bootstrap interval (steps
+resampled), lanpo's time split (generate / grade / log-probs / update) and each side's peak memory.
 
     pip install trl            # benchmark-only dependency (1.16.0 measured)
-    python bench/vs_trl.py                     # 2 rounds x 4 steps, B=4, G=4, 32 new tokens
+    python bench/vs_trl.py                     # 3 rounds x 6 steps, B=4, G=4, 32 new tokens
     python bench/vs_trl.py --rounds 1 --steps 2  # smoke run
 """
 
@@ -63,6 +64,17 @@ json.dump({{"step_times": times}}, open(args["result"], "w"))
 '''
 
 
+SPLIT = ("time_generate", "time_grade", "time_logprob", "time_update")  # lanpo's metrics of each step
+
+
+def ratio_interval(ours: list[float], theirs: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of median(ours) / median(theirs), resampling each side's steps."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(ours), np.asarray(theirs)
+    ratios = [np.median(rng.choice(a, a.size)) / np.median(rng.choice(b, b.size)) for _ in range(draws)]
+    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+
+
 def run_child(cmd: list[str], env: dict) -> float:
     """Run a command to completion; return its peak resident memory in MB."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -75,8 +87,8 @@ def run_child(cmd: list[str], env: dict) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=2, help="alternating (ours, TRL) pairs")
-    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating (ours, TRL) pairs")
+    ap.add_argument("--steps", type=int, default=6, help="steps per run (the first is warm-up)")
     ap.add_argument("--batch-problems", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -91,7 +103,7 @@ def main() -> None:
     rows = list({r["problem"]: r for r in data.synthetic_arith("train", 80, seed=0, levels=[1, 2, 3])}.values())
     (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = dict(os.environ, WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    ours_times, trl_times, ours_rss, trl_rss = [], [], [], []
+    ours_times, trl_times, ours_rss, trl_rss, ours_split = [], [], [], [], {}
     n = args.batch_problems * args.group_size
     for r in range(args.rounds):
         out = work / f"ours-{r}"
@@ -99,9 +111,11 @@ def main() -> None:
                    "--feedback", "none", "--steps", str(args.steps), "--batch-problems", str(args.batch_problems),
                    "--group-size", str(args.group_size), "--micro-batch", str(n), "--gen-batch", str(n),
                    "--max-new-tokens", str(args.max_new_tokens), "--eval-every", "0", "--lr", "2e-6",
-                   "--report-to", "none", "--out-dir", str(out)], env))
-        steps = [json.loads(line)["time_step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-        ours_times += steps[1:]
+                   "--report-to", "none", "--no-final-checkpoint", "--out-dir", str(out)], env))
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+        ours_times += [r["time_step"] for r in records]
+        for key in SPLIT:
+            ours_split.setdefault(key, []).extend(r[key] for r in records)
         spec = {"root": str(ROOT), "data": str(work / "data.jsonl"), "model": model_dir, "steps": args.steps,
                 "batch_problems": args.batch_problems, "group_size": args.group_size,
                 "max_new_tokens": args.max_new_tokens, "seed": 0, "out": str(work / f"trl-{r}"),
@@ -110,18 +124,25 @@ def main() -> None:
         script.write_text(TRL_RUN.format(root=str(ROOT)))
         trl_rss.append(run_child([sys.executable, str(script), json.dumps(spec)], env))
         trl_times += json.loads(Path(spec["result"]).read_text())["step_times"][1:]
+    low, high = ratio_interval(ours_times, trl_times)
     result = {
-        "config": vars(args), "ours_step_s": ours_times, "trl_step_s": trl_times,
+        "config": vars(args), "ours_step_s": ours_times, "trl_step_s": trl_times, "ours_split_s": ours_split,
         "ours_median_s": float(np.median(ours_times)), "trl_median_s": float(np.median(trl_times)),
-        "ratio": float(np.median(ours_times) / np.median(trl_times)),
+        "ratio": float(np.median(ours_times) / np.median(trl_times)), "ratio_95": [low, high],
         "ours_peak_rss_mb": max(ours_rss), "trl_peak_rss_mb": max(trl_rss),
     }
     print(f"B={args.batch_problems} G={args.group_size} max_new_tokens={args.max_new_tokens}, "
           f"{args.rounds} rounds x {args.steps - 1} timed steps")
-    print("| | median step (s) | peak RSS (MB) |\n|---|---|---|")
-    print(f"| lanpo | {result['ours_median_s']:.2f} | {result['ours_peak_rss_mb']:.0f} |")
-    print(f"| TRL GRPOTrainer | {result['trl_median_s']:.2f} | {result['trl_peak_rss_mb']:.0f} |")
-    print(f"ratio ours/TRL: {result['ratio']:.2f}")
+    print("every timed step (s), in run order:")
+    print("  lanpo: " + " ".join(f"{t:.1f}" for t in ours_times))
+    print("  TRL:   " + " ".join(f"{t:.1f}" for t in trl_times))
+    print("| | median step (s) | min-max (s) | peak RSS (MB) |\n|---|---|---|---|")
+    for name, times, rss in (("lanpo", ours_times, result["ours_peak_rss_mb"]),
+                             ("TRL GRPOTrainer", trl_times, result["trl_peak_rss_mb"])):
+        print(f"| {name} | {np.median(times):.2f} | {min(times):.1f}-{max(times):.1f} | {rss:.0f} |")
+    print(f"ratio ours/TRL (medians): {result['ratio']:.2f}, 95% bootstrap interval {low:.2f}-{high:.2f}")
+    split = {k: float(np.median(v)) for k, v in ours_split.items()}
+    print("lanpo step split (median s): " + ", ".join(f"{k[5:]} {v:.2f}" for k, v in split.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 
