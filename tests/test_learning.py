@@ -1,0 +1,47 @@
+"""Training with the real loop teaches: on the tiny random model, the mean training reward climbs from where
+it starts to a high level within a few dozen steps, for plain GRPO under each --loss-type and for LANPO.
+
+The task, learnable by a 2-layer random model in seconds: the reward is the share of the response's
+characters that are digits (the model starts near 0.04; lr 1e-2 takes it past 0.9 in about 30 steps). These tests fail when the sign of the advantage
+in grpo.group_advantages is flipped (checked by hand: the reward then falls towards 0), so they watch the
+sign, the completion mask and the normalisers end to end, not only that the loop runs."""
+
+import json
+
+import pytest
+
+import lanpo
+import math_grader
+
+STEPS = 40
+
+
+def digit_share(response: str, gold: str, timeout: float = 5.0) -> float:
+    return sum(ch.isdigit() for ch in response) / max(len(response), 1)
+
+
+def _rewards(tiny_model_dir, tmp_path, *extra) -> list[float]:
+    out = tmp_path / "run"
+    lanpo.main(lanpo.parse_config([
+        "--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", str(STEPS), "--batch-problems", "4",
+        "--group-size", "8", "--micro-batch", "32", "--max-new-tokens", "8", "--synthetic-size", "8",
+        "--eval-every", "0", "--lr", "1e-2", "--report-to", "none", "--no-final-checkpoint", *extra]))
+    return [json.loads(line)["reward_mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_learns(rewards: list[float]) -> None:
+    start, end = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
+    assert start < 0.3, rewards
+    assert end > 0.8 and end > start + 0.5, rewards
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_grpo_learns_under_each_loss_type(tiny_model_dir, tmp_path, monkeypatch, loss_type):
+    monkeypatch.setattr(math_grader, "grade", digit_share)
+    _assert_learns(_rewards(tiny_model_dir, tmp_path, "--feedback", "none", "--loss-type", loss_type))
+
+
+def test_lanpo_learns_with_feedback_both(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(math_grader, "grade", digit_share)
+    _assert_learns(_rewards(tiny_model_dir, tmp_path, "--feedback", "both", "--relevance-threshold", "0",
+                            "--abstract-max-tokens", "8"))
