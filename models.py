@@ -81,7 +81,10 @@ def resolve(name: str) -> tuple[str, dict]:
 
 
 def check_available(name: str) -> None:
-    """Stop with one line when --model is a hub id that is neither cached nor reachable."""
+    """Stop with one line when --model is a hub id that is neither cached nor reachable (or a directory or
+    file that cannot be a model). The embedded model is converted later, when it is loaded."""
+    if name == EMBEDDED:
+        return
     path, _ = resolve(name)
     if not Path(path).exists():
         hub.require(path, "model", "--model", "config.json")
