@@ -173,7 +173,7 @@ def turn2_summary(records: list[dict], samples: int) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ CLI
 
 def load_benchmark(name: str, data_dir: Path, limit: int, seed: int, split: str) -> list[dict]:
-    """Rows of a benchmark name (see data.BENCHMARKS), a .jsonl/.json/.parquet path, synthetic:arith, or
+    """Rows of a benchmark name (see data.BENCHMARKS), a data file (data.FILE_SUFFIXES), synthetic:arith, or
     hub:<dataset id>. --limit takes a seeded random subset, so repeated runs see the same problems."""
     if name in data.BENCHMARKS:
         rows, _ = data.load_problems(str(data.benchmark_path(name, data_dir)), split)
@@ -182,8 +182,8 @@ def load_benchmark(name: str, data_dir: Path, limit: int, seed: int, split: str)
     elif name.startswith("synthetic:") or Path(name).suffix in data.FILE_SUFFIXES:
         rows, _ = data.load_problems(name, "test" if name.startswith("synthetic:") else split, size=max(limit, 0))
     else:
-        raise SystemExit(f"unknown benchmark {name!r}: use one of {sorted(data.BENCHMARKS)}, a .jsonl/.json/.parquet "
-                         f"path, synthetic:arith, or hub:<dataset>")
+        raise SystemExit(f"unknown benchmark {name!r}: use one of {sorted(data.BENCHMARKS)}, a "
+                         f"{'/'.join(data.FILE_SUFFIXES)} path, synthetic:arith, or hub:<dataset>")
     if limit and limit < len(rows):
         rows = random.Random(seed).sample(rows, limit)
     if not rows:
@@ -248,12 +248,9 @@ def main(argv: list[str] | None = None) -> dict:
     settings = EvalSettings(samples=args.samples, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, one_shot=args.one_shot, gen_batch=args.gen_batch,
                             attempt_tokens=args.attempt_tokens, relevance_threshold=args.relevance_threshold)
-    if args.samples < 1:
-        raise SystemExit("--samples must be >= 1")
-    for flag in ("limit", "max_new_tokens", "gen_batch", "attempt_tokens"):
-        if getattr(args, flag) < (0 if flag == "limit" else 1):
-            raise SystemExit(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'limit' else 1}, "
-                             f"got {getattr(args, flag)}")
+    for flag, least in (("samples", 1), ("limit", 0), ("max_new_tokens", 1), ("gen_batch", 1), ("attempt_tokens", 1)):
+        if getattr(args, flag) < least:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
     out_dir = Path(args.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise SystemExit(f"--out-dir {out_dir} is a file, not a directory: choose another --out-dir")

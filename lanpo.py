@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,7 +178,9 @@ def check_config(cfg: Config) -> None:
     if cfg.group_size < 2:
         raise SystemExit("--group-size must be >= 2: GRPO's advantage compares rollouts of one problem")
     for name in ("steps", "batch_problems", "synthetic_size", "max_new_tokens", "ppo_epochs", "gen_batch", "keep_last",
-                 "micro_batch"):
+                 "micro_batch", "max_bad_updates", "reflect_attempts", "attempt_tokens", "inter_candidates",
+                 "abstract_refresh", "abstract_max_tokens", "pool_per_problem", "pool_max_problems", "lora_alpha",
+                 "max_prompt_tokens"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if rollouts % cfg.micro_batch:
@@ -187,14 +190,11 @@ def check_config(cfg: Config) -> None:
         raise SystemExit(f"--feedback-ratio must be in [0, 1], got {cfg.feedback_ratio}")
     if not 0.0 <= cfg.relevance_threshold <= 1.0:
         raise SystemExit(f"--relevance-threshold must be in [0, 1], got {cfg.relevance_threshold}")
-    for name in ("max_bad_updates", "reflect_attempts", "attempt_tokens", "inter_candidates", "abstract_refresh",
-                 "abstract_max_tokens", "pool_per_problem", "pool_max_problems", "lora_alpha", "max_prompt_tokens"):
-        if getattr(cfg, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.temperature <= 0:
         raise SystemExit("--temperature must be > 0 for sampling (evaluation decodes greedily on its own)")
     for name in ("lr", "beta", "weight_decay", "max_grad_norm", "eps_high", "train_size", "eval_size", "eval_every",
-                 "save_every", "warmup_steps", "lora_rank"):
+                 "save_every", "warmup_steps", "lora_rank", "distill_is_cap", "feedback_model_coef",
+                 "self_distill_coef", "self_distill_topk"):
         if getattr(cfg, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if not 0.0 < cfg.top_p <= 1.0:
@@ -202,9 +202,6 @@ def check_config(cfg: Config) -> None:
     if not 0.0 <= cfg.eps_low < 1.0:
         raise SystemExit(f"--eps-low must be in [0, 1): the ratio is clipped below at 1 - eps_low, got {cfg.eps_low}")
     parse_levels(cfg.levels)
-    for name in ("distill_is_cap", "feedback_model_coef", "self_distill_coef", "self_distill_topk"):
-        if getattr(cfg, name) < 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     scratch_needed = [flag for flag, on in (("--feedback-grad distill", cfg.feedback_grad == "distill"),
                                             ("--feedback-model-coef", cfg.feedback_model_coef > 0),
                                             ("--self-distill-coef", cfg.self_distill_coef > 0)) if on]
@@ -793,12 +790,6 @@ def start_wandb(cfg: Config, accelerator):
     return run
 
 
-def on_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 def interrupted(out_dir: Path):
     """SIGINT handler: stop with one line that says what to resume from, instead of a traceback from
     wherever Ctrl-C landed (a checkpoint cut short is a .tmp dir, never loaded)."""
@@ -859,7 +850,8 @@ def main(cfg: Config) -> ExperiencePool:
     if skipped:
         accelerator.print(f"skipped {sum(skipped.values())} bad rows of {cfg.dataset}: {dict(skipped)}")
     out_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run may write
-    stop_on_interrupt = signal.signal(signal.SIGINT, interrupted(out_dir)) if on_main_thread() else None
+    previous_sigint = (signal.signal(signal.SIGINT, interrupted(out_dir))
+                       if threading.current_thread() is threading.main_thread() else None)  # only it may
     model = models.load_policy(cfg.model, dtype, cfg.gradient_checkpointing, cfg.lora_rank, cfg.lora_alpha,
                                cfg.lora_targets)
     eos_ids = models.eos_token_ids(model, tokenizer)
@@ -903,9 +895,12 @@ def main(cfg: Config) -> ExperiencePool:
     index = (pool_lib.TfidfIndex() if cfg.retriever == "tfidf"
              else pool_lib.EmbeddingIndex(abstract.hidden_state_embedder(policy, tokenizer)))
     pool = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index)
+    # --retriever policy embeds problems as they enter the pool: those forwards need the whole weights
+    embedding_weights = ((lambda: gathered_for_generation(model, accelerator)) if cfg.retriever == "policy"
+                         else contextlib.nullcontext)
     lessons_cache: dict[str, dict] = {}
     if start_step:
-        with gathered_for_generation(model, accelerator):
+        with embedding_weights():
             pool.load(resume_from / "pool.jsonl")
         lessons_cache = json.loads((resume_from / "lessons_cache.json").read_text())
 
@@ -1009,7 +1004,7 @@ def main(cfg: Config) -> ExperiencePool:
         trials = gather_object([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, r, step + 1)
                                 for prob, p, c, r in zip(rollout_problems, rollout_prompts, completions,
                                                          rewards.tolist())])
-        with gathered_for_generation(model, accelerator):  # --retriever policy embeds new problems
+        with embedding_weights():
             pool.add(trials)
 
         # 7. log (over all processes' rollouts)
@@ -1065,8 +1060,8 @@ def main(cfg: Config) -> ExperiencePool:
         accelerator.print(f"done: metrics in {metrics_path}, model in {final}")
     if run is not None:
         run.finish()
-    if stop_on_interrupt is not None:
-        signal.signal(signal.SIGINT, stop_on_interrupt)
+    if previous_sigint is not None:
+        signal.signal(signal.SIGINT, previous_sigint)
     return pool
 
 

@@ -231,9 +231,17 @@ def split_unit(ans: str) -> tuple[str, str | None]:
         power, words = ("2" if words[0] != "cubic" else "3"), words[1:]
     if not words:
         return ans, None
-    unit = " ".join(_UNIT_SYNONYMS.get(w, _UNIT_SYNONYMS.get(w[:-1], w[:-1]) if w.endswith("s") and len(w) > 3
-                                      else _UNIT_SYNONYMS.get(w, w)) for w in words)
+    unit = " ".join(_unit_word(w) for w in words)
     return m.group("num"), unit + (f"^{power}" if power else "")
+
+
+def _unit_word(word: str) -> str:
+    """'cm' -> 'centimeter', 'meters' -> 'meter': a synonym, else the singular of a plural."""
+    if word in _UNIT_SYNONYMS:
+        return _UNIT_SYNONYMS[word]
+    if word.endswith("s") and len(word) > 3:
+        return _UNIT_SYNONYMS.get(word[:-1], word[:-1])
+    return word
 
 
 # Number bases: 123_4, 123_{4}, (123)_{4}, -(123)_4
@@ -388,7 +396,7 @@ def too_big(s: str) -> bool:
             value = integer_power(inner) if inner else None
             if value == HUGE or (value is not None and value > 1000) or ("^" in inner and value is None):
                 return True
-        elif arg is not None and len(arg.group(1)) > 3 and int(arg.group(1)) > 1000:
+        elif arg is not None and int(arg.group(1)) > 1000:
             return True
     return False
 
@@ -431,8 +439,9 @@ def fast_verdict(pred: str, gold: str) -> bool | None:
     based = base_verdict(p, g)
     if based is not None:
         return based
-    if is_inequality(p) or is_inequality(g):
-        ps, gs = interval_set(p, is_inequality(p)), interval_set(g, is_inequality(g))
+    p_inequality, g_inequality = is_inequality(p), is_inequality(g)
+    if p_inequality or g_inequality:
+        ps, gs = interval_set(p, p_inequality), interval_set(g, g_inequality)
         if ps is not None and gs is not None:
             return ps == gs
     if too_big(p) or too_big(g):
