@@ -7,8 +7,11 @@ it at test time (reflect: a second turn that reviews the first attempt; abstract
 
 Metrics per benchmark and overall: avg@k (mean accuracy of the k samples), unbiased pass@j (Chen et al.
 2021) for j = 1, 2, 4, ... <= k, maj@k (majority vote over extracted answers; ties count fractionally),
-mean response length, truncation rate. Outputs: summary.json, summary.md and problems.jsonl (prompt,
-responses, extracted answers, verdicts) under --out-dir.
+mean response length, truncation rate. Every accuracy comes with its 95 % interval (bootstrap over
+problems: `<metric>_low`, `<metric>_high` in summary.json, brackets in summary.md). Outputs: summary.json,
+summary.md and problems.jsonl (prompt, responses, extracted answers, verdicts) under --out-dir.
+
+    python evaluate.py --compare runs/eval/grpo runs/eval/lanpo   # paired bootstrap on the shared problems
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import math_grader
 import models
 import prompts
 import reflect
+import stats
 from pool import ExperiencePool
 from rollout import generate_completions
 
@@ -68,19 +72,62 @@ def majority_correct(answers: list[str | None], verdicts: list[float]) -> float:
 
 def summarize(records: list[dict], samples: int) -> dict[str, float]:
     """Benchmark-level metrics from per-problem records (each with `verdicts`, `lengths`, `truncated`,
-    `answers`)."""
+    `answers`); each accuracy with its 95 % bootstrap interval over problems (`_low`, `_high`)."""
     if not records:
         return {}
-    out = {"problems": float(len(records)),
-           f"avg@{samples}": float(np.mean([np.mean(r["verdicts"]) for r in records]))}
-    j = 1
-    while j <= samples:
-        out[f"pass@{j}"] = float(np.mean([pass_at_k(samples, int(sum(r["verdicts"])), j) for r in records]))
-        j *= 2
-    out[f"maj@{samples}"] = float(np.mean([majority_correct(r["answers"], r["verdicts"]) for r in records]))
+    out = {"problems": float(len(records))}
+    for key, scores in per_problem_scores(records, samples).items():
+        out[key], out[f"{key}_low"], out[f"{key}_high"] = stats.interval([scores])
     out["response_len"] = float(np.mean([np.mean(r["lengths"]) for r in records]))
     out["truncated"] = float(np.mean([np.mean(r["truncated"]) for r in records]))
     return out
+
+
+def per_problem_scores(records: list[dict], samples: int) -> dict[str, list[float]]:
+    """Each accuracy metric's score per problem (their means are the benchmark's metrics): avg@k, pass@j for
+    j = 1, 2, 4, ... <= k, maj@k."""
+    out = {f"avg@{samples}": [float(np.mean(r["verdicts"])) for r in records]}
+    j = 1
+    while j <= samples:
+        out[f"pass@{j}"] = [pass_at_k(samples, int(sum(r["verdicts"])), j) for r in records]
+        j *= 2
+    out[f"maj@{samples}"] = [majority_correct(r["answers"], r["verdicts"]) for r in records]
+    return out
+
+
+def compare(a_dir: str, b_dir: str) -> str:
+    """A - B per benchmark and mode (and over everything), paired on the problems both evaluated: the
+    difference of each accuracy metric, its 95 % interval and p-value, as a markdown table."""
+    runs = []
+    for d in (a_dir, b_dir):
+        path = Path(d) / "problems.jsonl"
+        if not path.is_file():
+            raise SystemExit(f"--compare {d}: no problems.jsonl there (an evaluate.py --out-dir)")
+        runs.append({(r["benchmark"], r["mode"], r["id"]): r for r in map(json.loads, path.open(encoding="utf-8"))})
+    a, b = runs
+    if a.keys() != b.keys():
+        only = sorted(a.keys() ^ b.keys())[:3]
+        raise SystemExit(f"--compare: {a_dir} and {b_dir} evaluated different problems (e.g. {only}); a paired "
+                         "comparison needs the same --benchmarks, --limit, --seed and --mode")
+    k = {len(r["verdicts"]) for r in (*a.values(), *b.values())}
+    if len(k) != 1:
+        raise SystemExit(f"--compare: the two evaluations drew different --samples per problem ({sorted(k)})")
+    samples = k.pop()
+    lines = [f"A = {a_dir}, B = {b_dir}: A - B [95 % interval] (paired bootstrap p-value)", "",
+             "| benchmark | mode | problems | " + " | ".join(per_problem_scores([next(iter(a.values()))], samples))
+             + " |", "|---|---|---|" + "---|" * len(per_problem_scores([next(iter(a.values()))], samples))]
+    parts = sorted({(bench, mode) for bench, mode, _ in a})
+    benches = {bench for bench, _ in parts}
+    for bench, mode in parts + ([("overall", m) for m in sorted({m for _, m in parts})] if len(benches) > 1 else []):
+        keys = [key for key in a if key[1] == mode and bench in ("overall", key[0])]
+        sa = per_problem_scores([a[key] for key in keys], samples)
+        sb = per_problem_scores([b[key] for key in keys], samples)
+        cells = []
+        for metric in sa:
+            d = stats.paired_difference([sa[metric]], [sb[metric]])
+            cells.append(f"{stats.fmt_diff(d)} (p {d['p']:.3f})")
+        lines.append(f"| {bench} | {mode} | {len(keys)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -192,13 +239,22 @@ def load_benchmark(name: str, data_dir: Path, limit: int, seed: int, split: str)
 
 
 def markdown_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
-    """One row per (benchmark, mode), one column per metric."""
-    keys = sorted({k for modes in results.values() for m in modes.values() for k in m}, key=_metric_order)
+    """One row per (benchmark, mode), one column per metric; an accuracy shows its 95 % interval."""
+    keys = sorted({k for modes in results.values() for m in modes.values() for k in m
+                   if not k.endswith(("_low", "_high"))}, key=_metric_order)
     lines = ["| benchmark | mode | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for bench, modes in results.items():
         for mode, m in modes.items():
-            cells = [f"{m[k]:.3f}" if k in m and k != "problems" else (f"{int(m[k])}" if k in m else "")
-                     for k in keys]
+            cells = []
+            for k in keys:
+                if k not in m:
+                    cells.append("")
+                elif k == "problems":
+                    cells.append(f"{int(m[k])}")
+                elif f"{k}_low" in m:
+                    cells.append(stats.fmt(m[k], m[f"{k}_low"], m[f"{k}_high"]))
+                else:
+                    cells.append(f"{m[k]:.3f}")
             lines.append(f"| {bench} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -243,7 +299,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--attempt-tokens", type=int, default=512, help="budget per shown attempt/experience")
     ap.add_argument("--relevance-threshold", type=float, default=0.9, help="gamma for --mode abstract")
     ap.add_argument("--out-dir", default="runs/eval", help="summary.json, summary.md, problems.jsonl")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
+                    help="instead of evaluating: A - B of two --out-dirs on the same problems (paired bootstrap)")
     args = ap.parse_args(argv)
+    if args.compare:
+        table = compare(*args.compare)
+        print(table)
+        return {"compare": table}
 
     settings = EvalSettings(samples=args.samples, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, one_shot=args.one_shot, gen_batch=args.gen_batch,
@@ -290,7 +352,9 @@ def main(argv: list[str] | None = None) -> dict:
                 by_mode[mode][name] = (records, summary)
                 for r in records:
                     f.write(json.dumps({"benchmark": name, "mode": mode, **r}, ensure_ascii=False) + "\n")
-                print(f"{name} [{mode}]: " + ", ".join(f"{k}={v:.3f}" for k, v in summary.items()), flush=True)
+                print(f"{name} [{mode}]: " + ", ".join(
+                    f"{k}={stats.fmt(v, summary[k + '_low'], summary[k + '_high']) if k + '_low' in summary else f'{v:.3f}'}"
+                    for k, v in summary.items() if not k.endswith(("_low", "_high"))), flush=True)
     if len(benchmarks) > 1:
         results["overall"] = {mode: overall(per, args.samples) for mode, per in by_mode.items()}
     (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))

@@ -1,12 +1,15 @@
-"""Learning on CPU: training arms with the same budget on the embedded SmolLM2-135M and the built-in data
-(the default run's settings plus --flags), held-out greedy accuracy (no feedback) vs step for each, the
-base model's accuracy on the same held-out problems, wall time; a PNG and a table.
+"""Does training teach, and by how much? Arms with the same budget (the default run's settings plus the
+flags below) on the embedded SmolLM2-135M and the built-in data, each over several seeds; held-out greedy
+accuracy (no feedback at test time) of the base model and of each final model on the same problems.
 
-    python bench/learning.py                      # GRPO vs LANPO, 6 steps each, eval every 2 (~15 min, 2 cores)
-    python bench/learning.py --steps 10           # the README numbers (~25 min)
-    python bench/learning.py --steps 10 --synthetic-size 16 --arms grpo lanpo lanpo+distill lanpo+self-distill \
-        --out-dir runs/bench/feedback-grad        # feedback through the gradient (~45 min)
-    python bench/learning.py --steps 2 --eval-every 1   # smoke run
+Reported per arm: accuracy and its gain over the base model with 95 % intervals (two-level bootstrap:
+seeds, then problems within a seed), and each arm minus the first arm, paired on the same problems, with
+its interval and p-value. Per-problem verdicts are kept, so any other comparison can be made later.
+
+    python bench/learning.py                          # GRPO vs LANPO, 3 seeds, 8 steps, 256 held-out (~80 min)
+    python bench/learning.py --seeds 0 --steps 2 --eval-size 32 --out-dir runs/bench/smoke   # smoke run
+An interrupted benchmark continues where it stopped when run again with the same --out-dir: finished
+runs are kept (their verdicts.json), nothing is run twice.
 """
 
 from __future__ import annotations
@@ -27,77 +30,109 @@ import evaluate  # noqa: E402
 import lanpo  # noqa: E402
 import models  # noqa: E402
 import plot  # noqa: E402
-
-
-def base_accuracy(cfg: lanpo.Config) -> float:
-    """Greedy accuracy of the untrained model on the held-out problems the training runs evaluate on."""
-    rows = data.load_problems(cfg.dataset, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed,
-                              levels=lanpo.parse_levels(cfg.levels), train_size=cfg.synthetic_size)[0]
-    tokenizer = models.load_tokenizer(cfg.model)
-    model = models.load_policy(cfg.model, torch.float32)
-    settings = evaluate.EvalSettings(samples=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens,
-                                     one_shot=cfg.one_shot, gen_batch=cfg.gen_batch)
-    _, summary = evaluate.evaluate_rows(model, tokenizer, rows, "zero-shot", settings,
-                                        models.eos_token_ids(model, tokenizer))
-    return summary["avg@1"]
-
+import stats  # noqa: E402
 
 ARMS = {  # name -> the flags that make it (on top of the common ones)
     "grpo": ["--feedback", "none"],
     "lanpo": ["--feedback", "both"],
     "lanpo+distill": ["--feedback", "both", "--feedback-grad", "distill"],
-    "lanpo+self-distill": ["--feedback", "both"],  # + --self-distill-coef from this script's flag
+    "lanpo+self-distill": ["--feedback", "both", "--self-distill-coef", "0.1"],
     "lanpo+feedback-model": ["--feedback", "both", "--feedback-model-coef", "0.1"],
 }
 
 
+def heldout_rows(cfg: lanpo.Config) -> list[dict]:
+    """The held-out problems a run with this config evaluates on (they depend on its seed)."""
+    return data.load_problems(cfg.dataset, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed,
+                              levels=lanpo.parse_levels(cfg.levels), train_size=cfg.synthetic_size)[0]
+
+
+def verdicts(model_dir: str, rows: list[dict], cfg: lanpo.Config) -> list[float]:
+    """Greedy verdict per held-out problem, through the code path training's eval uses."""
+    tokenizer = models.load_tokenizer(model_dir)
+    model = models.load_policy(model_dir, torch.float32)
+    settings = evaluate.EvalSettings(samples=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens,
+                                     one_shot=cfg.one_shot, gen_batch=cfg.gen_batch)
+    records, _ = evaluate.evaluate_rows(model, tokenizer, rows, "zero-shot", settings,
+                                        models.eos_token_ids(model, tokenizer))
+    return [r["verdicts"][0] for r in records]
+
+
+def cached(path: Path, compute) -> dict:
+    """The JSON at `path`, computed and written first if missing (so a rerun skips finished work)."""
+    if not path.exists():
+        result = compute()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(result))
+        path.with_suffix(".tmp").replace(path)
+    return json.loads(path.read_text())
+
+
+def train_and_evaluate(name: str, seed: int, common: list[str], rows: list[dict], cfg: lanpo.Config,
+                       run_dir: Path) -> dict:
+    if run_dir.exists():
+        raise SystemExit(f"{run_dir} holds an unfinished run (no verdicts.json): move it away and rerun")
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, str(ROOT / "lanpo.py"), *ARMS[name], "--seed", str(seed),
+                           "--out-dir", str(run_dir), *common], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"arm {name} seed {seed} failed:\n{done.stderr[-3000:]}")
+    train_s = time.perf_counter() - t0
+    return {"verdicts": verdicts(str(run_dir / "final"), rows, cfg), "train_s": train_s}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--eval-every", type=int, default=2)
-    ap.add_argument("--synthetic-size", type=int, default=lanpo.Config.synthetic_size,
-                    help="training problems; fewer make problems recur (and feedback appear) sooner")
-    ap.add_argument("--lr", type=float, default=lanpo.Config.lr,
-                    help="learning rate of every arm; the default 2e-6 barely moves the model in 10 steps")
-    ap.add_argument("--self-distill-coef", type=float, default=1.0,
-                    help="coefficient of the lanpo+self-distill arm (at lr 2e-5, 1 collapses the 135M model)")
-    ap.add_argument("--arms", nargs="+", default=["grpo", "lanpo"], choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=["grpo", "lanpo"], choices=list(ARMS),
+                    help="the first arm is the one the others are compared with")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="one run per arm and seed")
+    ap.add_argument("--steps", type=int, default=8, help="training steps of every run")
+    ap.add_argument("--lr", type=float, default=2e-5,
+                    help="learning rate of every arm (the default 2e-6 is a 7B-scale value that barely moves 135M)")
+    ap.add_argument("--eval-size", type=int, default=256, help="held-out problems per seed")
     ap.add_argument("--out-dir", default="runs/bench/learning")
+    ap.add_argument("flags", nargs="*", help="more lanpo.py flags for every run, after --")
     args = ap.parse_args()
     out = Path(args.out_dir)
-    if out.exists():
-        raise SystemExit(f"{out} exists (an earlier benchmark): choose another --out-dir or move it away")
-    common = ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--report-to", "none",
-              "--synthetic-size", str(args.synthetic_size), "--lr", str(args.lr)]
-    cfg = lanpo.parse_config(common)
-    result = {"base_accuracy": base_accuracy(cfg), "runs": {}}
+    common = ["--steps", str(args.steps), "--lr", str(args.lr), "--eval-size", str(args.eval_size),
+              "--eval-every", "0", "--no-final-checkpoint", "--report-to", "none", *args.flags]
+
+    base, final, curves = {}, {name: {} for name in args.arms}, {name: [] for name in args.arms}
+    for seed in args.seeds:
+        cfg = lanpo.parse_config(common + ["--seed", str(seed)])
+        rows = heldout_rows(cfg)
+        base[seed] = cached(out / f"base/seed{seed}.json",
+                            lambda: {"verdicts": verdicts(cfg.model, rows, cfg)})["verdicts"]
+        for name in args.arms:
+            run_dir = out / name / f"seed{seed}"
+            final[name][seed] = cached(out / name / f"seed{seed}.json",
+                                       lambda: train_and_evaluate(name, seed, common, rows, cfg, run_dir))
+            curves[name].append(plot.read_metrics(run_dir))
+            print(f"{name} seed {seed}: base {sum(base[seed]) / len(rows):.3f} -> "
+                  f"{sum(final[name][seed]['verdicts']) / len(rows):.3f}", flush=True)
+
+    seeds = args.seeds
+    lines = [f"held-out greedy accuracy, {args.eval_size} problems x {len(seeds)} seeds, {args.steps} steps, "
+             f"lr {args.lr}; 95 % intervals: bootstrap over seeds, then problems",
+             "", "| arm | accuracy | gain over base | vs " + args.arms[0] + " (paired) | p | train min/run |",
+             "|---|---|---|---|---|---|",
+             f"| base | {stats.fmt(*stats.interval([base[s] for s in seeds]))} | | | | |"]
+    summary = {"base": stats.interval([base[s] for s in seeds]), "arms": {}}
     for name in args.arms:
-        t0 = time.perf_counter()
-        flags = ARMS[name]
-        if name == "lanpo+self-distill":
-            flags = flags + ["--self-distill-coef", str(args.self_distill_coef)]
-        done = subprocess.run([sys.executable, str(ROOT / "lanpo.py"), *flags, "--out-dir", str(out / name),
-                               *common], capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"arm {name} failed:\n{done.stderr[-3000:]}")
-        records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-        result["runs"][name] = {"wall_s": time.perf_counter() - t0,
-                                "eval": {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r},
-                                "train_reward": [r["reward_mean"] for r in records],
-                                "scratch_accuracy": [r.get("scratch/accuracy") for r in records]}
-    png = plot.plot({name: [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
-                     for name in args.arms}, out / "learning.png")
-    steps = sorted(result["runs"][args.arms[0]]["eval"])
-    print(f"held-out greedy accuracy (base model: {result['base_accuracy']:.3f})")
-    print("| step | " + " | ".join(str(s) for s in steps) + " | train reward | from-scratch acc | wall |")
-    print("|---|" + "---|" * (len(steps) + 3))
-    for name, r in result["runs"].items():
-        scratch = [a for a in r["scratch_accuracy"] if a is not None]
-        print(f"| {name} | " + " | ".join(f"{r['eval'][s]:.3f}" for s in steps)
-              + f" | {sum(r['train_reward']) / len(r['train_reward']):.3f} | {sum(scratch) / len(scratch):.3f}"
-              + f" | {r['wall_s'] / 60:.1f} min |")
-    print(f"curves: {png}")
-    (out / "learning.json").write_text(json.dumps(result, indent=2))
+        ends = [final[name][s]["verdicts"] for s in seeds]
+        gain = stats.paired_difference(ends, [base[s] for s in seeds])
+        versus = stats.paired_difference(ends, [final[args.arms[0]][s]["verdicts"] for s in seeds])
+        minutes = sum(final[name][s]["train_s"] for s in seeds) / len(seeds) / 60
+        summary["arms"][name] = {"accuracy": stats.interval(ends), "gain": gain, "vs_first": versus,
+                                 "train_minutes": minutes}
+        vs, p = ("", "") if name == args.arms[0] else (stats.fmt_diff(versus), f"{versus['p']:.3f}")
+        lines.append(f"| {name} | {stats.fmt(*stats.interval(ends))} | {stats.fmt_diff(gain)} (p {gain['p']:.3f}) "
+                     f"| {vs} | {p} | {minutes:.1f} |")
+    png = plot.plot(curves, out / "learning.png")
+    table = "\n".join(lines) + f"\n\ncurves (mean over seeds, band = min..max): {png}\n"
+    (out / "learning.md").write_text(table)
+    (out / "learning.json").write_text(json.dumps({"args": vars(args), **summary}, indent=2))
+    print(table)
 
 
 if __name__ == "__main__":

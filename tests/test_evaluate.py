@@ -130,8 +130,41 @@ def test_plot_overlays_runs(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(plot, "plot", lambda runs, out: seen.update(runs) or Path(out))
     plot.main([str(tmp_path / "grpo"), f"grpo-2={tmp_path / 'lanpo'}", "-o", str(tmp_path / "d.png")])
-    assert list(seen) == ["grpo", "grpo-2"] and seen["grpo-2"][0]["reward_mean"] == pytest.approx(0.31)
+    assert list(seen) == ["grpo", "grpo-2"] and seen["grpo-2"][0][0]["reward_mean"] == pytest.approx(0.31)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "metrics.jsonl").write_text("{not json\n")
     with pytest.raises(SystemExit, match="line 1 is not JSON"):
         plot.main([str(tmp_path / "bad")])
+
+
+def test_every_accuracy_carries_its_interval():
+    rec = lambda v: {"verdicts": v, "answers": ["1"] * len(v), "lengths": [3] * len(v),  # noqa: E731
+                     "truncated": [False] * len(v)}
+    summary = evaluate.summarize([rec([1.0, 0.0])] * 20 + [rec([1.0, 1.0])] * 20, 2)
+    for key in ("avg@2", "pass@1", "pass@2", "maj@2"):
+        assert summary[f"{key}_low"] <= summary[key] <= summary[f"{key}_high"]
+    assert summary["pass@2"] == summary["pass@2_low"] == summary["pass@2_high"] == 1.0  # every problem solved
+    assert 0.65 < summary["avg@2_low"] < 0.75 < summary["avg@2_high"] < 0.85  # 0.75 +- 1.96 * 0.25 / sqrt(40)
+    table = evaluate.markdown_table({"b": {"zero-shot": summary}})
+    assert "0.750 [" in table and "avg@2_low" not in table
+
+
+def _problems_file(path, verdicts, benchmark="x"):
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "problems.jsonl", "w") as f:
+        for i, v in enumerate(verdicts):
+            f.write(json.dumps({"benchmark": benchmark, "mode": "zero-shot", "id": f"p{i}", "verdicts": [v],
+                                "answers": ["1"]}) + "\n")
+
+
+def test_compare_is_a_paired_bootstrap_on_the_same_problems(tmp_path):
+    _problems_file(tmp_path / "a", [1.0] * 40)
+    _problems_file(tmp_path / "b", [1.0] * 20 + [0.0] * 20)
+    table = evaluate.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b")])["compare"]
+    row = next(line for line in table.splitlines() if line.startswith("| x |"))
+    assert "| 40 | +0.500 [+0.350, +0.650] (p 0.000)" in row  # 0.5 +- 1.96 * 0.5 / sqrt(40), clipped to the grid
+    _problems_file(tmp_path / "c", [1.0] * 39)
+    with pytest.raises(SystemExit, match="evaluated different problems"):
+        evaluate.main(["--compare", str(tmp_path / "a"), str(tmp_path / "c")])
+    with pytest.raises(SystemExit, match="no problems.jsonl"):
+        evaluate.main(["--compare", str(tmp_path / "a"), str(tmp_path / "nothing")])

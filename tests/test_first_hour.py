@@ -253,6 +253,6 @@ def test_plot_steps_are_integers(tmp_path, monkeypatch):
 
     saved = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
-    plot.plot({"run": [{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2}]}, tmp_path / "p.png")
+    plot.plot({"run": [[{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2}]]}, tmp_path / "p.png")
     ticks = saved[0].axes[0].get_xticks()
     assert all(float(t).is_integer() for t in ticks)

@@ -1,0 +1,74 @@
+"""Uncertainty for accuracies: bootstrap intervals over problems (and seeds), paired differences with a
+p-value. Used by evaluate.py (summary.md, --compare), plot.py (bands over seeds) and bench/learning.py.
+
+Every function takes per-problem scores (a verdict, avg@k over k samples, ...); `groups` are independent
+sets of problems, e.g. one per training seed, and the bootstrap resamples the groups, then the problems
+within each resampled group (a two-level bootstrap: seed-to-seed and problem-to-problem noise both count).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+RESAMPLES = 10_000
+
+
+def bootstrap_means(groups: list[list[float]] | list[np.ndarray], resamples: int = RESAMPLES,
+                    seed: int = 0) -> np.ndarray:
+    """`resamples` bootstrap replicates of the mean score over all problems of all groups."""
+    arrays = [np.asarray(g, dtype=np.float64) for g in groups]
+    if not arrays or any(a.size == 0 for a in arrays):
+        raise ValueError("bootstrap needs at least one group and no empty group")
+    rng = np.random.default_rng(seed)
+    picked_groups = rng.integers(0, len(arrays), size=(resamples, len(arrays)))
+    total = np.zeros(resamples)
+    count = np.zeros(resamples)
+    for g, a in enumerate(arrays):
+        times = (picked_groups == g).sum(axis=1)  # how often group g was drawn in each replicate
+        for t in np.unique(times[times > 0]):
+            rows = np.flatnonzero(times == t)
+            chunk = max(1, 2_000_000 // (t * a.size))  # replicates per draw: bounded memory for big benchmarks
+            for start in range(0, rows.size, chunk):
+                part = rows[start:start + chunk]
+                # t independent draws of the group, each a resample of its problems
+                total[part] += a[rng.integers(0, a.size, size=(part.size, t, a.size))].sum(axis=(1, 2))
+                count[part] += t * a.size
+    return total / count
+
+
+def interval(groups, level: float = 0.95, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high): the mean score and its percentile-bootstrap interval."""
+    arrays = [np.asarray(g, dtype=np.float64) for g in groups]
+    means = bootstrap_means(arrays, resamples, seed)
+    tail = (1 - level) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return float(np.concatenate(arrays).mean()), float(low), float(high)
+
+
+def paired_difference(a_groups, b_groups, level: float = 0.95, resamples: int = RESAMPLES,
+                      seed: int = 0) -> dict[str, float]:
+    """A - B on the same problems (position i of a group in A and in B is one problem): the mean difference,
+    its interval, and the two-sided bootstrap p-value of "no difference" (twice the smaller share of
+    replicates on either side of 0, at most 1)."""
+    diffs = []
+    for g, (a, b) in enumerate(zip(a_groups, b_groups, strict=True)):
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        if a.shape != b.shape:
+            raise ValueError(f"group {g}: {a.size} scores in A but {b.size} in B; a paired comparison needs "
+                             "the same problems on both sides")
+        diffs.append(a - b)
+    means = bootstrap_means(diffs, resamples, seed)
+    tail = (1 - level) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    p = min(1.0, 2 * min(np.mean(means <= 0), np.mean(means >= 0)))
+    return {"diff": float(np.concatenate(diffs).mean()), "low": float(low), "high": float(high), "p": float(p)}
+
+
+def fmt(mean: float, low: float, high: float) -> str:
+    """0.453 [0.391, 0.516]"""
+    return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def fmt_diff(d: dict[str, float]) -> str:
+    """+0.051 [+0.012, +0.090]"""
+    return f"{d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"

@@ -1,0 +1,61 @@
+"""Bootstrap intervals and paired comparisons (stats.py): hand-computed cases and their coverage."""
+
+import numpy as np
+import pytest
+
+import stats
+
+
+def test_constant_scores_have_a_zero_width_interval():
+    assert stats.interval([[1.0] * 5, [1.0] * 3]) == (1.0, 1.0, 1.0)
+    same = stats.paired_difference([[1, 0, 1]], [[1, 0, 1]])
+    assert same == {"diff": 0.0, "low": 0.0, "high": 0.0, "p": 1.0}
+
+
+def test_one_group_matches_the_normal_approximation():
+    scores = [1.0] * 200 + [0.0] * 200  # mean 0.5, standard error sqrt(0.25 / 400) = 0.025
+    mean, low, high = stats.interval([scores])
+    assert mean == 0.5
+    assert high - low == pytest.approx(2 * 1.96 * 0.025, rel=0.05)
+    assert low < 0.5 < high
+
+
+def test_seed_to_seed_spread_widens_the_interval():
+    pooled = stats.interval([[1.0] * 90 + [0.0] * 10 + [1.0] * 10 + [0.0] * 90])
+    by_seed = stats.interval([[1.0] * 90 + [0.0] * 10, [1.0] * 10 + [0.0] * 90])
+    assert pooled[0] == by_seed[0] == 0.5
+    assert by_seed[2] - by_seed[1] > 5 * (pooled[2] - pooled[1])  # two seeds that disagree: ~0.1..0.9
+
+
+def test_paired_difference_sees_a_shift_that_unpaired_noise_hides():
+    rng = np.random.default_rng(1)
+    hard = rng.random(300) < 0.5           # per-problem difficulty shared by both arms
+    a = hard.astype(float)
+    b = a.copy()
+    b[:30] = np.where(a[:30] == 1, 0.0, b[:30])  # B loses some problems A solves
+    d = stats.paired_difference([a], [b])
+    assert d["diff"] == pytest.approx((a - b).mean())
+    assert 0 < d["low"] < d["diff"] < d["high"]
+    assert d["p"] < 0.001
+    assert stats.paired_difference([b], [a])["diff"] == pytest.approx(-d["diff"])
+
+
+def test_no_difference_gives_a_large_p_value():
+    rng = np.random.default_rng(2)
+    a, b = (rng.random(200) < 0.4).astype(float), (rng.random(200) < 0.4).astype(float)
+    d = stats.paired_difference([a], [b])
+    assert d["low"] < 0 < d["high"] and d["p"] > 0.05
+
+
+def test_coverage_of_the_95_interval_is_about_95_percent():
+    rng = np.random.default_rng(3)
+    hits = sum(lo <= 0.3 <= hi for _, lo, hi in
+               (stats.interval([(rng.random(120) < 0.3).astype(float)], resamples=2000, seed=i) for i in range(200)))
+    assert 0.89 <= hits / 200 <= 0.99
+
+
+def test_mismatched_or_empty_inputs_are_refused():
+    with pytest.raises(ValueError, match="group 0: 3 scores in A but 2 in B"):
+        stats.paired_difference([[1, 0, 1]], [[1, 0]])
+    with pytest.raises(ValueError, match="no empty group"):
+        stats.interval([[1.0], []])
