@@ -1,0 +1,24 @@
+"""The training step's behaviour is pinned: three seeded tiny-model runs that between them take every branch
+of the step (feedback kinds, --feedback-grad context/strip/distill, KL, several epochs, LR schedule,
+self-distillation, feedback modelling, zero-advantage dropping, each loss type) must reproduce the rollouts,
+metrics and final weights recorded in tests/golden/ (by tests/golden_runs.py, before the loop was refactored).
+A deliberate change of behaviour re-records them and says so in its commit."""
+
+import json
+
+import pytest
+from conftest import ROOT
+from golden_runs import RUNS, fingerprint
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_run_reproduces_its_recorded_fingerprint(tiny_model_dir, tmp_path, name):
+    want = json.loads((ROOT / "tests" / "golden" / f"{name}.json").read_text())
+    got = fingerprint(tiny_model_dir, tmp_path / name, RUNS[name])
+    assert got["pool"] == want["pool"]  # the same prompts kinds, feedback texts, sampled responses, rewards
+    assert [sorted(r) for r in got["metrics"]] == [sorted(r) for r in want["metrics"]]
+    for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"]), 1):
+        assert g == pytest.approx(w, rel=1e-5, abs=1e-8), f"step {step}"
+    assert list(got["weights"]) == list(want["weights"])
+    for tensor, sums in want["weights"].items():
+        assert got["weights"][tensor] == pytest.approx(sums, rel=1e-5), tensor
