@@ -21,7 +21,7 @@ import torch
 from grpo import position_ids
 from math_grader import extract_answer
 from pool import ExperiencePool, Trial
-from prompts import FORMAT_INSTRUCTION, render_prompt
+from prompts import principles_request, raw_experience_block, relevance_request, render_prompt
 from reflect import shorten
 from rollout import generate_completions
 
@@ -29,12 +29,6 @@ from rollout import generate_completions
 def best_trial(trials: list[Trial]) -> Trial:
     """The trial that shows a candidate's approach best: the newest correct one, else the newest."""
     return next((t for t in trials if t.reward > 0), trials[0])
-
-
-def relevance_request(problem: str, other_problem: str, other_solution: str) -> str:
-    return (f"Problem A: {problem}\n\nProblem B: {other_problem}\n\nA solution of problem B:\n{other_solution}\n\n"
-            "Is the approach used to solve problem B relevant and useful for solving problem A? "
-            "Answer with Yes or No.")
 
 
 @torch.no_grad()
@@ -57,19 +51,6 @@ def relevance_scores(model, tokenizer, pairs: list[str], batch_size: int = 16) -
         scores += two[:, 0].exp().tolist()
     model.train(was_training)
     return scores
-
-
-def principles_request(problem: str, experiences: list[Trial]) -> str:
-    """Ask for short, general principles drawn from related solved (or failed) problems."""
-    blocks = []
-    for i, t in enumerate(experiences, 1):
-        verdict = "correct" if t.reward > 0 else "incorrect"
-        blocks.append(f"Example {i} (its final answer was {verdict}):\nProblem: {t.problem}\nSolution: {t.response}")
-    examples = "\n\n".join(blocks)
-    return (f"{examples}\n\nNew problem: {problem}\n\n"
-            "From the examples above, write at most three short, general principles (methods, checks, "
-            "common mistakes) that would help solve the new problem. Do not solve the new problem. Do not "
-            "copy numbers or final answers from the examples.")
 
 
 def clean_principles(text: str, other_answers: list[str | None] = ()) -> str:
@@ -96,17 +77,6 @@ def clean_principles(text: str, other_answers: list[str | None] = ()) -> str:
     for answer in {a.strip() for a in other_answers if a and len(a.strip()) >= 2}:
         text = re.sub(r"(?<![\w.])" + re.escape(answer) + r"(?!\w|\.\d)", "[answer removed]", text)
     return text.strip()
-
-
-def raw_experience_block(experiences: list[Trial]) -> str:
-    """ABLATION (`--inter-mode raw`): the retrieved trajectories themselves."""
-    return "\n\n".join(f"Related problem: {t.problem}\nA solution: {t.response}" for t in experiences)
-
-
-def abstraction_request(problem: str, lessons: str, raw: bool = False) -> str:
-    """User turn for solving a problem with lessons (principles, or raw trajectories in the ablation)."""
-    header = "Here are solutions of related problems:" if raw else "Here are some general principles that may help:"
-    return f"{header}\n{lessons}\n\nProblem: {problem}\n{FORMAT_INSTRUCTION}"
 
 
 @dataclass

@@ -5,7 +5,7 @@ into exploration. Pure tensor functions and one prompt builder; lanpo.py wires t
   the plain prompt x, with the from-scratch rollouts of its group as baseline (`first_turn_advantages`)
   and a truncated per-token importance weight for having been sampled under x_f (`truncated_is_weights`).
 - RLTF-FM (`--feedback-model-coef`): cross-entropy of the principles text given the problem and the
-  model's own attempt (`feedback_model_request`), so the model learns to produce the feedback itself.
+  model's own attempt (`prompts.feedback_model_request`), so the model learns to produce the feedback itself.
 - Self-distillation (`--self-distill-coef`): per-token divergence between the plain-prompt policy on its
   own from-scratch rollout and the same model shown the feedback (a stop-gradient teacher), over the
   teacher's top-k tokens plus one bucket for the rest of the vocabulary (`teacher_logprobs`,
@@ -55,14 +55,6 @@ def truncated_is_weights(plain_logps: torch.Tensor, sampling_logps: torch.Tensor
     if cap == 0:
         return torch.ones_like(plain_logps)
     return torch.exp(plain_logps - sampling_logps).clamp(max=cap)
-
-
-def feedback_model_request(problem: str, attempt: str) -> str:
-    """User turn of RLTF-FM: the problem and the model's own attempt; the principles are the target. The
-    wording follows abstract.principles_request, whose answer the principles are."""
-    return (f"Problem: {problem}\n\nAn attempt at it:\n{attempt}\n\n"
-            "Write at most three short, general principles (methods, checks, common mistakes) that would "
-            "help solve this problem. Do not solve the problem.")
 
 
 @torch.no_grad()

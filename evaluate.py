@@ -181,7 +181,7 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings
     for row in rows:
         request = prompts.problem_request(row["problem"])
         if row["id"] in lessons:
-            request = abstract.abstraction_request(row["problem"], lessons[row["id"]])
+            request = prompts.abstraction_request(row["problem"], lessons[row["id"]])
         texts.append(prompts.render_prompt(tokenizer, request, s.one_shot))
     if mode == "reflect" and first_turn is not None:
         records = [dict(r) for r in first_turn]
@@ -195,9 +195,8 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings
         summary["with_lessons"] = float(len(lessons)) / len(rows)
 
     if mode == "reflect":  # turn 2: each sample reviews its own first attempt (never told if it was right)
-        second = [prompts.render_prompt(tokenizer, reflect.reflection_request(
-                      r["problem"], [reflect.shorten(resp, tokenizer, s.attempt_tokens)]), s.one_shot)
-                  for r in records for resp in r["responses"]]
+        second = [reflect.reflection_prompt(tokenizer, r["problem"], [resp], attempt_tokens=s.attempt_tokens,
+                                            one_shot=s.one_shot)[0] for r in records for resp in r["responses"]]
         outs2 = _sample(model, tokenizer, second, s, eos_ids)
         turn2 = [_record(row, "", outs2[i * k:(i + 1) * k]) for i, row in enumerate(rows)]
         for r, t in zip(records, turn2):

@@ -11,6 +11,7 @@ prompts, sample G rollouts each, grade, group advantages, clipped policy update,
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -26,11 +27,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import set_seed
 
 import abstract
 import data
 import distill
+import distributed
 import evaluate
 import grpo
 import math_grader
@@ -92,7 +94,8 @@ class Config:
     gen_batch: int = _f(64, "prompts per generate call")
     # --- policy optimisation
     lr: float = _f(2e-6, "AdamW learning rate")
-    lr_schedule: str = _f("constant", "constant, linear or cosine decay after warmup", choices=["constant", "linear", "cosine"])
+    lr_schedule: str = _f("constant", "constant, linear or cosine decay after warmup",
+                          choices=["constant", "linear", "cosine"])
     warmup_steps: int = _f(0, "optimizer updates of linear warmup")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm (0 = off)")
@@ -289,7 +292,7 @@ class Prompt:
 def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons: dict[str, str],
                   cfg: Config) -> list[Prompt]:
     """One prompt per rollout, B groups of G. Reflection shows the model's own earlier responses and never
-    their rewards (reflect.reflection_request cannot take one); only the leaky ablations add labels.
+    their rewards (prompts.reflection_request cannot take one); only the leaky ablations add labels.
     With --self-distill-coef, each problem's teacher prompt is its reflection prompt, else its principles one."""
     out = []
     teach = cfg.self_distill_coef > 0
@@ -301,16 +304,13 @@ def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons
         can_abstract = problem["id"] in lessons and cfg.feedback in ("inter", "both")
         by_kind = {"scratch": (plain, "")}  # each kind's prompt is built once per problem, then shared by its slots
         if "reflect" in kinds or (teach and can_reflect):
-            shown = [reflect.shorten(t.response, tokenizer, cfg.attempt_tokens) for t in earlier]
-            if cfg.reflect_mode == "agnostic":
-                request = reflect.reflection_request(problem["problem"], shown)
-            else:
-                request = reflect.leaky_reflection_request(problem["problem"], shown, cfg.reflect_mode,
-                                                           [t.reward for t in earlier], problem["answer"])
-            by_kind["reflect"] = (prompts.render_prompt(tokenizer, request, cfg.one_shot), "\n\n".join(shown))
+            by_kind["reflect"] = reflect.reflection_prompt(
+                tokenizer, problem["problem"], [t.response for t in earlier], attempt_tokens=cfg.attempt_tokens,
+                one_shot=cfg.one_shot, mode=cfg.reflect_mode, rewards=[t.reward for t in earlier],
+                gold=problem["answer"])
         if "abstract" in kinds or (teach and can_abstract):
             context = lessons[problem["id"]]
-            request = abstract.abstraction_request(problem["problem"], context, raw=cfg.inter_mode == "raw")
+            request = prompts.abstraction_request(problem["problem"], context, raw=cfg.inter_mode == "raw")
             by_kind["abstract"] = (prompts.render_prompt(tokenizer, request, cfg.one_shot), context)
         teacher = by_kind.get("reflect", by_kind.get("abstract", ("", "")))[0] if teach else ""
         for kind in kinds:
@@ -321,6 +321,31 @@ def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons
 
 def token_ids(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@dataclass
+class Rollouts:
+    """This process's rollouts of one step, in rollout order: group g is rollouts g*G .. g*G+G-1."""
+    problems: list[dict]            # each rollout's problem
+    prompts: list[Prompt]           # what each was sampled with
+    completions: list[Completion]
+    rewards: torch.Tensor           # the verifier's numerical reward of each
+    advantages: torch.Tensor        # group-relative (computed over every process's groups)
+
+    @property
+    def kinds(self) -> list[str]:
+        return [p.kind for p in self.prompts]
+
+
+@dataclass
+class UpdateBatch:
+    """What the policy update trains on: one entry per rollout kept (see `update_batch`)."""
+    completions: list[Completion]                  # the prompt each is trained on, and its completion
+    advantages: torch.Tensor
+    behaviour: list[Completion | None] | None      # the same rollout on the prompt it was sampled with, where
+    teachers: list[Completion | None] | None       # that differs; on its self-distillation teacher's prompt
+    feedback_texts: list[tuple[Completion, float]]  # RLTF-FM targets with weight 1 (0: padding)
+    window: dict[str, float]                       # loss normalisers of the whole batch (all processes)
 
 
 def feedback_model_texts(tokenizer, problems: list[dict], lessons: dict[str, str], completions: list[Completion],
@@ -334,7 +359,7 @@ def feedback_model_texts(tokenizer, problems: list[dict], lessons: dict[str, str
             continue
         first = next(i for i in range(g * cfg.group_size, (g + 1) * cfg.group_size) if kinds[i] == "scratch")
         attempt = reflect.shorten(completions[first].text, tokenizer, cfg.attempt_tokens)
-        request = distill.feedback_model_request(problem["problem"], attempt)
+        request = prompts.feedback_model_request(problem["problem"], attempt)
         principles = prompts.neutralize(lessons[problem["id"]], prompts.special_token_strings(tokenizer))
         target = torch.tensor(tokenizer(principles, add_special_tokens=False).input_ids + [end_of_turn])
         texts.append(Completion(token_ids(tokenizer, prompts.render_prompt(tokenizer, request, one_shot=False)),
@@ -342,128 +367,223 @@ def feedback_model_texts(tokenizer, problems: list[dict], lessons: dict[str, str
     return texts
 
 
+def update_batch(tokenizer, r: Rollouts, group_problems: list[dict], lessons: dict[str, str], cfg: Config,
+                 eos_ids: list[int], world: int) -> UpdateBatch:
+    """What each rollout trains on: the whole mixed group on the prompts it was sampled with (context), or
+    feedback rollouts moved to the plain prompt (strip, distill); teachers for self-distillation; the
+    feedback-modelling targets; zero-advantage groups dropped when asked. Each decision is taken the same on
+    every process, and every process makes as many feedback-modelling passes (ZeRO-3/FSDP forwards are
+    collective): those with fewer texts pad with zero-weight copies."""
+    train_on, behaviour, teachers, advantages = r.completions, None, None, r.advantages
+    if cfg.feedback_grad != "context" and distributed.on_any_process(any(k != "scratch" for k in r.kinds)):
+        behaviour = [None if p.kind == "scratch" else c for c, p in zip(r.completions, r.prompts)]
+        train_on = [c if p.kind == "scratch" else dataclasses.replace(c, prompt_ids=token_ids(tokenizer, p.plain))
+                    for c, p in zip(r.completions, r.prompts)]
+    if cfg.self_distill_coef > 0:  # the same completion, scored by the model shown the feedback
+        teachers = [dataclasses.replace(c, prompt_ids=token_ids(tokenizer, p.teacher))
+                    if p.kind == "scratch" and p.teacher else None for c, p in zip(r.completions, r.prompts)]
+    if cfg.drop_zero_adv_groups:  # groups with equal rewards carry no signal: leave them out entirely
+        live = r.rewards.view(-1, cfg.group_size).std(dim=1) > 0
+        keep = [i for i in range(len(r.completions)) if live[i // cfg.group_size]]
+        train_on, advantages = [train_on[i] for i in keep], advantages[keep]
+        behaviour = [behaviour[i] for i in keep] if behaviour else None
+        teachers = [teachers[i] for i in keep] if teachers else None
+    texts = (feedback_model_texts(tokenizer, group_problems, lessons, r.completions, r.kinds, cfg, eos_ids)
+             if cfg.feedback_model_coef > 0 else [])
+    # Normalisers of the whole batch over all processes, divided by the number of processes, because
+    # data-parallel training averages the processes' gradients.
+    total, most = distributed.totals({
+        "seqs": len(train_on), "tokens": sum(len(c.completion_ids) for c in train_on),
+        "teacher_tokens": sum(len(c.completion_ids) for c in teachers or [] if c is not None),
+        "feedback_tokens": sum(len(c.completion_ids) for c in texts), "feedback_texts": len(texts)})
+    window = {name: total[name] / world for name in ("seqs", "tokens", "teacher_tokens", "feedback_tokens")}
+    window["feedback_texts"] = float(total["feedback_texts"])  # logged, not a normaliser
+    if not window["teacher_tokens"]:
+        teachers = None  # no teacher on any process this step: no teacher forward passes
+    padding = most["feedback_texts"] - len(texts)
+    weighted = [(c, 1.0) for c in texts] + [((texts or r.completions)[0], 0.0)] * padding
+    return UpdateBatch(train_on, advantages, behaviour, teachers, weighted, window)
+
+
 def grade_all(completions: list[Completion], answers: list[str]) -> torch.Tensor:
     return torch.tensor(math_grader.grade_batch([c.text for c in completions], answers))
 
 
-def policy_update(model, ref_model, optimizer, scheduler, accelerator, completions: list[Completion],
-                  advantages: torch.Tensor, cfg: Config, pad_id: int, window: dict[str, float],
-                  behaviour: list[Completion | None] | None = None, teachers: list[Completion | None] | None = None,
-                  feedback_texts: list[tuple[Completion, float]] = ()) -> dict[str, float]:
-    """ppo_epochs optimizer updates on one batch of rollouts, accumulated over micro-batches.
+def step_advantages(r_kinds: list[str], all_rewards: torch.Tensor, cfg: Config, accelerator) -> torch.Tensor:
+    """This process's slice of the group-relative advantages over every process's groups (RLTF-SD under
+    --feedback-grad distill: each group against its from-scratch rollouts only)."""
+    if cfg.feedback_grad == "distill":
+        from_scratch = torch.tensor([k == "scratch" for k in distributed.gather(r_kinds)])
+        advantages = distill.first_turn_advantages(all_rewards, from_scratch, cfg.group_size, cfg.adv_scale)
+    else:
+        advantages = grpo.group_advantages(all_rewards, cfg.group_size, cfg.adv_scale)
+    return distributed.my_share(advantages, accelerator)
 
-    `window`: totals over the whole batch (all processes, divided by their number) that normalise each loss
-    term, so the micro-batch losses add up to the batch loss: "seqs" and "tokens" (grpo.policy_loss),
-    "teacher_tokens" (self-distillation), "feedback_tokens" (feedback modelling).
-    `behaviour[i]`: rollout i on the prompt it was sampled with, where it is trained on another (the plain
-    prompt, for feedback rollouts under --feedback-grad strip or distill); None elsewhere. strip takes the
-    old log-probs from the sampling prompt, so the clipped ratio pi(y | plain) / pi(y | feedback) treats
-    these samples as off-policy; distill keeps pi_old(y | plain) in the ratio and weights each token by the
-    truncated ratio of the two (distill.truncated_is_weights).
-    `teachers[i]`: rollout i on the feedback prompt of its self-distillation teacher; None = no teacher.
-    `feedback_texts`: (problem + attempt -> principles) pairs with weights 1 (0 for padding), for RLTF-FM.
-    When several processes run, all of them get the same number of micro-batches and forward passes."""
-    device = accelerator.device
-    # Sort by length so micro-batches pad little; the sum over the window does not depend on order.
-    order = sorted(range(len(completions)), key=lambda i: len(completions[i].prompt_ids) + len(completions[i].completion_ids))
-    micro = [order[i:i + cfg.micro_batch] for i in range(0, len(order), cfg.micro_batch)]
-    batches = [pack([completions[i] for i in idx], pad_id, device) for idx in micro]
 
-    def repacked(other: list[Completion | None]):  # the same rows, with the other prompt where one is given
-        return [pack([completions[i] if other[i] is None else other[i] for i in idx], pad_id, device)
-                for idx in micro]
+# ----------------------------------------------------------------------------------------------------------
+# The policy update: micro-batches, one forward each, loss terms summed in one line
 
-    def rows_with(other: list[Completion | None]):
-        return [torch.tensor([other[i] is not None for i in idx], device=device) for idx in micro]
 
-    sampled = repacked(behaviour) if behaviour is not None else None
-    taught = repacked(teachers) if teachers is not None else None
-    has_teacher = rows_with(teachers) if teachers is not None else None
-    off_policy = rows_with(behaviour) if behaviour is not None else None
-    modelled = [(pack([c for c, _ in feedback_texts[i:i + cfg.micro_batch]], pad_id, device),
-                 torch.tensor([w for _, w in feedback_texts[i:i + cfg.micro_batch]], device=device))
-                for i in range(0, len(feedback_texts), cfg.micro_batch)]
-    n_passes = len(batches) + len(modelled)
-    stats: dict[str, list[float]] = {}
-    timings = {"time_logprob": 0.0, "time_update": 0.0}
-    skipped = 0
+@dataclass
+class MicroBatch:
+    """One forward/backward's rollouts, padded, and what their loss terms need beside the policy's forward."""
+    ids: torch.Tensor
+    attn: torch.Tensor
+    cmask: torch.Tensor                        # completion tokens (1) vs padding (0)
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None = None      # pi_old (None: on-policy with one epoch, pi_old = pi)
+    sampling_logps: torch.Tensor | None = None  # the sampling prompt's log-probs (strip, distill)
+    off_policy: torch.Tensor | None = None     # rows trained on another prompt than they were sampled with
+    ref_logps: torch.Tensor | None = None      # reference policy, when beta > 0
+    teacher_inputs: tuple | None = None        # (ids, attn) of the self-distillation teacher's prompts
+    has_teacher: torch.Tensor | None = None
 
-    t0 = time.perf_counter()
-    old_logps, sampling_logps, ref_logps = [None] * len(micro), [None] * len(micro), [None] * len(micro)
-    with torch.no_grad():
-        for j, (ids, attn, cmask) in enumerate(batches):
-            if sampled is not None:
-                sampling_logps[j] = grpo.token_logprobs(model, *sampled[j], cfg.micro_batch, cfg.temperature)[0]
-            if cfg.feedback_grad == "strip" and sampled is not None:
-                old_logps[j] = sampling_logps[j]
-            elif cfg.ppo_epochs > 1:  # on-policy with one epoch, pi_old == pi: the ratio is exactly 1, no forward
-                old_logps[j] = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch, cfg.temperature)[0]
+
+@dataclass
+class Forward:
+    """The policy's forward pass on a micro-batch (completion positions only), and its teacher's targets."""
+    logits: torch.Tensor
+    logps: torch.Tensor       # log pi(token), 0 on padding
+    entropy: torch.Tensor
+    mask: torch.Tensor        # cmask as floats
+    old: torch.Tensor         # pi_old's log-probs (detached)
+    teacher_logps: torch.Tensor | None = None
+    teacher_ids: torch.Tensor | None = None
+
+
+def micro_batches(model, ref_model, b: UpdateBatch, cfg: Config, pad_id: int, device) -> list[MicroBatch]:
+    """The batch in micro-batches, sorted by length so they pad little (the loss, a sum over the batch,
+    does not depend on order), with the log-probs that stay fixed through the update computed once."""
+    done = b.completions
+    order = sorted(range(len(done)), key=lambda i: len(done[i].prompt_ids) + len(done[i].completion_ids))
+    out = []
+    for start in range(0, len(order), cfg.micro_batch):
+        idx = order[start:start + cfg.micro_batch]
+        mb = MicroBatch(*pack([done[i] for i in idx], pad_id, device), advantages=b.advantages[idx].to(device))
+        with torch.no_grad():
+            if b.behaviour is not None:  # the same rows, on the prompt each was sampled with
+                sampled = pack([done[i] if b.behaviour[i] is None else b.behaviour[i] for i in idx], pad_id, device)
+                mb.sampling_logps = grpo.token_logprobs(model, *sampled, cfg.micro_batch, cfg.temperature)[0]
+                mb.off_policy = torch.tensor([b.behaviour[i] is not None for i in idx], device=device)
+            if cfg.feedback_grad == "strip" and b.behaviour is not None:
+                mb.old_logps = mb.sampling_logps  # pi(y | plain) / pi(y | feedback): off-policy samples
+            elif cfg.ppo_epochs > 1:  # on-policy with one epoch the ratio is exactly 1: no forward needed
+                mb.old_logps = grpo.token_logprobs(model, mb.ids, mb.attn, mb.cmask, cfg.micro_batch,
+                                                   cfg.temperature)[0]
             if cfg.beta > 0:
-                ref_logps[j] = reference_logprobs(model, ref_model, ids, attn, cmask, cfg)
-    timings["time_logprob"] = time.perf_counter() - t0
+                mb.ref_logps = reference_logprobs(model, ref_model, mb.ids, mb.attn, mb.cmask, cfg)
+        if b.teachers is not None:
+            mb.teacher_inputs = pack([done[i] if b.teachers[i] is None else b.teachers[i] for i in idx],
+                                     pad_id, device)[:2]
+            mb.has_teacher = torch.tensor([b.teachers[i] is not None for i in idx], device=device)
+        out.append(mb)
+    return out
 
+
+def forward(model, mb: MicroBatch, cfg: Config) -> Forward:
+    """The policy on the micro-batch. A self-distillation teacher (the same model shown the feedback, no
+    gradient) runs first, so its full logits are freed before the student's forward."""
+    teacher_logps = teacher_ids = None
+    if mb.teacher_inputs is not None:
+        with torch.no_grad():
+            teacher_logps, teacher_ids = distill.teacher_logprobs(grpo.completion_logits(
+                model, *mb.teacher_inputs, mb.cmask.shape[1], cfg.temperature), cfg.self_distill_topk)
+    logits = grpo.completion_logits(model, mb.ids, mb.attn, mb.cmask.shape[1], cfg.temperature)
+    logps, entropy = grpo.selective_log_softmax(logits, mb.ids[:, -mb.cmask.shape[1]:])
+    mask = mb.cmask.to(logps.dtype)
+    logps, entropy = logps * mask, entropy * mask
+    old = mb.old_logps if mb.old_logps is not None else logps.detach()
+    return Forward(logits, logps, entropy, mask, old, teacher_logps, teacher_ids)
+
+
+def add_stat(stats: dict, name: str, value: float, weight: float) -> None:
+    """Micro-batch statistics, averaged with these weights at the end; `loss` and `*_loss` are summed."""
+    stats.setdefault(name, []).append((value, weight))
+
+
+def policy_gradient_loss(f: Forward, mb: MicroBatch, cfg: Config, window: dict, stats: dict) -> torch.Tensor:
+    """GRPO's clipped surrogate (+ beta * KL), token-averaged as --loss-type says; under --feedback-grad
+    distill each feedback rollout's tokens carry the truncated weight pi(y | plain) / pi(y | feedback)."""
+    weights = None
+    if cfg.feedback_grad == "distill" and mb.sampling_logps is not None:
+        weights = torch.where(mb.off_policy[:, None],
+                              distill.truncated_is_weights(f.old, mb.sampling_logps, cfg.distill_is_cap), 1.0)
+        off = f.mask * mb.off_policy[:, None]
+        if off.sum() > 0:
+            add_stat(stats, "distill_is_weight", ((weights * off).sum() / off.sum()).item(), off.sum().item())
+    loss, s = grpo.policy_loss(f.logps, f.old, mb.advantages, mb.cmask, mb.ref_logps, eps_low=cfg.eps_low,
+                               eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                               max_completion_len=cfg.max_new_tokens, window_seqs=window["seqs"],
+                               window_tokens=window["tokens"], token_weights=weights)
+    weight = s.pop("tokens")
+    s["loss"] = loss.item()
+    s["entropy"] = (f.entropy.sum() / mb.cmask.sum().clamp(min=1)).item()
+    for name, value in s.items():
+        add_stat(stats, name, value, weight)
+    return loss
+
+
+def self_distill_loss(f: Forward, mb: MicroBatch, cfg: Config, window: dict, stats: dict) -> torch.Tensor | float:
+    """--self-distill-coef: divergence between the plain-prompt policy and its feedback-shown teacher, on
+    the from-scratch rollouts that have a teacher; 0 when off."""
+    if f.teacher_logps is None:
+        return 0.0
+    taught = f.mask * mb.has_teacher[:, None]
+    loss, div = distill.self_distill_loss(distill.student_logprobs(f.logits, f.teacher_ids), f.teacher_logps,
+                                          taught, cfg.self_distill_div, cfg.self_distill_coef,
+                                          window["teacher_tokens"])
+    add_stat(stats, "self_distill_loss", loss.item(), 1.0)
+    if taught.sum() > 0:
+        add_stat(stats, "self_distill_div", (div.sum() / taught.sum()).item(), taught.sum().item())
+    return loss
+
+
+def feedback_model_loss(model, texts: list[tuple[Completion, float]], cfg: Config, window: dict, stats: dict,
+                        pad_id: int, device) -> torch.Tensor:
+    """RLTF-FM: cross-entropy of the principles given the problem and an attempt, at temperature 1 (a
+    supervised target, not a sample), on a micro-batch of its own texts."""
+    ids, attn, cmask = pack([c for c, _ in texts], pad_id, device)
+    text_weights = torch.tensor([w for _, w in texts], device=device)
+    target_logps = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch)[0]
+    loss, nll = distill.feedback_model_loss(target_logps, text_weights, cfg.feedback_model_coef,
+                                            window["feedback_tokens"])
+    n_tokens = (cmask.sum(dim=1) * text_weights).sum().item()
+    add_stat(stats, "feedback_model_loss", loss.item(), 1.0)
+    if n_tokens:
+        add_stat(stats, "feedback_model_ce", nll.item() / n_tokens, n_tokens)
+    return loss
+
+
+def policy_update(model, ref_model, optimizer, scheduler, accelerator, b: UpdateBatch, cfg: Config,
+                  pad_id: int) -> dict[str, float]:
+    """ppo_epochs optimizer updates on one batch, each accumulated over its micro-batches; every process
+    makes the same number of forward passes. Statistics are micro-batch averages; losses add up to the
+    batch's loss (each term is normalised over the whole batch, `b.window`)."""
+    device = accelerator.device
+    t0 = time.perf_counter()
+    micro = micro_batches(model, ref_model, b, cfg, pad_id, device)
+    modelled = [b.feedback_texts[i:i + cfg.micro_batch] for i in range(0, len(b.feedback_texts), cfg.micro_batch)]
+    timings = {"time_logprob": time.perf_counter() - t0}
+    n_passes, stats, skipped = len(micro) + len(modelled), {}, 0
     t0 = time.perf_counter()
     model.train()
     for epoch in range(cfg.ppo_epochs):
-        for j, (ids, attn, cmask) in enumerate(batches):
-            adv = advantages[micro[j]].to(device)
-            with micro_batch(accelerator, model, last=j == n_passes - 1):
-                if taught is not None:  # stop-gradient teacher: the current model shown the feedback; its
-                    with torch.no_grad():  # logits are freed before the student's forward pass
-                        teacher_logps, teacher_ids = distill.teacher_logprobs(grpo.completion_logits(
-                            model, *taught[j][:2], cmask.shape[1], cfg.temperature), cfg.self_distill_topk)
-                logits = grpo.completion_logits(model, ids, attn, cmask.shape[1], cfg.temperature)
-                logps, entropy = grpo.selective_log_softmax(logits, ids[:, -cmask.shape[1]:])
-                mask = cmask.to(logps.dtype)
-                logps, entropy = logps * mask, entropy * mask
-                old = old_logps[j] if old_logps[j] is not None else logps.detach()
-                weights = None
-                if cfg.feedback_grad == "distill" and sampled is not None:
-                    weights = torch.where(off_policy[j][:, None],
-                                          distill.truncated_is_weights(old, sampling_logps[j], cfg.distill_is_cap), 1.0)
-                    off = mask * off_policy[j][:, None]
-                    if off.sum() > 0:
-                        stats.setdefault("distill_is_weight", []).append(
-                            (((weights * off).sum() / off.sum()).item(), off.sum().item()))
-                loss, s = grpo.policy_loss(logps, old, adv, cmask, ref_logps[j], eps_low=cfg.eps_low,
-                                           eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                                           max_completion_len=cfg.max_new_tokens, window_seqs=window["seqs"],
-                                           window_tokens=window["tokens"], token_weights=weights)
-                total = loss
-                if taught is not None:
-                    taught_mask = mask * has_teacher[j][:, None]
-                    student_logps = distill.student_logprobs(logits, teacher_ids)
-                    sd_loss, div = distill.self_distill_loss(student_logps, teacher_logps, taught_mask,
-                                                             cfg.self_distill_div, cfg.self_distill_coef,
-                                                             window["teacher_tokens"])
-                    total = total + sd_loss
-                    stats.setdefault("self_distill_loss", []).append((sd_loss.item(), 1.0))
-                    if taught_mask.sum() > 0:
-                        stats.setdefault("self_distill_div", []).append(
-                            ((div.sum() / taught_mask.sum()).item(), taught_mask.sum().item()))
-                backward(accelerator, total)
-            weight = s.pop("tokens")
-            s["loss"] = loss.item()
-            s["entropy"] = (entropy.sum() / cmask.sum().clamp(min=1)).item()
-            for k, v in s.items():
-                stats.setdefault(k, []).append((v, weight))
-        for j, ((ids, attn, cmask), text_weights) in enumerate(modelled):
-            with micro_batch(accelerator, model, last=len(batches) + j == n_passes - 1):
-                # cross-entropy of the principles at temperature 1: a supervised target, not a sample
-                target_logps = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch)[0]
-                fm_loss, nll = distill.feedback_model_loss(target_logps, text_weights, cfg.feedback_model_coef,
-                                                           window["feedback_tokens"])
-                backward(accelerator, fm_loss)
-            n_tokens = (cmask.sum(dim=1) * text_weights).sum().item()
-            stats.setdefault("feedback_model_loss", []).append((fm_loss.item(), 1.0))
-            if n_tokens:
-                stats.setdefault("feedback_model_ce", []).append((nll.item() / n_tokens, n_tokens))
+        for j, mb in enumerate(micro):
+            with distributed.micro_batch(accelerator, model, last=j == n_passes - 1):
+                f = forward(model, mb, cfg)
+                # the loss terms over the rollouts; a new term is one function of (f, mb, cfg, window, stats)
+                loss = (policy_gradient_loss(f, mb, cfg, b.window, stats)
+                        + self_distill_loss(f, mb, cfg, b.window, stats))
+                distributed.backward(accelerator, loss)
+        for j, texts in enumerate(modelled):
+            with distributed.micro_batch(accelerator, model, last=len(micro) + j == n_passes - 1):
+                distributed.backward(accelerator, feedback_model_loss(model, texts, cfg, b.window, stats, pad_id,
+                                                                      device))
         norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
         if norm is None:  # DeepSpeed clips (its gradient_clipping) and steps inside backward(): read its norm
             norm = model.get_global_grad_norm() or 0.0
-        grad_norm = float(norm)
-        if math.isfinite(grad_norm):
-            stats.setdefault("grad_norm", []).append((grad_norm, 1.0))
+        if math.isfinite(float(norm)):
+            add_stat(stats, "grad_norm", float(norm), 1.0)
             optimizer.step()
             scheduler.step()
         else:  # a NaN/inf loss or gradient anywhere: this update is dropped, the weights stay as they were
@@ -471,8 +591,8 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, completio
         optimizer.zero_grad(set_to_none=True)
     timings["time_update"] = time.perf_counter() - t0
     out = {k: sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1e-9) for k, vals in stats.items()}
-    for k in ("loss", "self_distill_loss", "feedback_model_loss"):  # micro-batch losses add up to the batch loss
-        if k in stats:
+    for k in stats:  # micro-batch losses add up to the batch loss
+        if k == "loss" or k.endswith("_loss"):
             out[k] = sum(v for v, _ in stats[k]) / cfg.ppo_epochs
     out.setdefault("grad_norm", float("nan"))
     return {**out, **timings, "skipped_updates": float(skipped)}
@@ -491,13 +611,13 @@ def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor)
     return out
 
 
-def feedback_metrics(local: abstract.AbstractionStats, pool: ExperiencePool, prompt_lens: list[int],
-                     accelerator) -> dict[str, float]:
+def feedback_metrics(local: abstract.AbstractionStats, pool: ExperiencePool,
+                     prompt_lens: list[int]) -> dict[str, float]:
     """Retrieval, relevance and abstraction statistics summed over the processes."""
-    every = gather_object([local])
-    a = abstract.AbstractionStats(
-        **{f.name: (sum((getattr(x, f.name) for x in every), []) if f.name in ("scores", "principles_tokens")
-                    else sum(getattr(x, f.name) for x in every)) for f in dataclasses.fields(abstract.AbstractionStats)})
+    every = distributed.gather([local])
+    a = abstract.AbstractionStats(**{
+        f.name: (sum((getattr(x, f.name) for x in every), []) if f.name in ("scores", "principles_tokens")
+                 else sum(getattr(x, f.name) for x in every)) for f in dataclasses.fields(abstract.AbstractionStats)})
     a.time_retrieval, a.time_relevance, a.time_abstraction = (local.time_retrieval, local.time_relevance,
                                                               local.time_abstraction)  # wall time of this process
     return {
@@ -514,81 +634,6 @@ def feedback_metrics(local: abstract.AbstractionStats, pool: ExperiencePool, pro
         "time_relevance": a.time_relevance,
         "time_abstraction": a.time_abstraction,
     }
-
-
-def mean_over_processes(stats: dict[str, float]) -> dict[str, float]:
-    """Each statistic averaged over the processes that measured it (a no-op with one)."""
-    every = gather_object([stats])
-    keys = dict.fromkeys(k for s in every for k in s)
-    return {k: float(np.mean([s[k] for s in every if k in s])) for k in keys}
-
-
-@contextlib.contextmanager
-def gathered_for_generation(model, accelerator):
-    """Full parameters for the forwards outside the update (generate, relevance, embeddings), so that
-    they make no collective calls and processes may run different numbers of them. ZeRO-3: gathered from
-    their shards for the duration (as TRL does); FSDP2: every layer unsharded once and kept so (as its
-    docs suggest for evaluation). Either costs one full copy of the weights per GPU for that time; under
-    DDP and ZeRO-2 the weights are whole already. Every process must enter it (the gathering is collective)."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and plugin.zero_stage == 3:
-        import deepspeed
-
-        # ZeRO-3's per-module hooks would still make a collective check at the start of every forward:
-        # they come off for the duration and are registered again after (as TRL does)
-        hooks = model.optimizer.parameter_offload
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            hooks._remove_module_hooks()
-            try:
-                yield
-            finally:
-                hooks.forward_hooks, hooks.backward_hooks = [], []
-                hooks.setup_zero_stage3_hooks()
-    elif accelerator.is_fsdp2:
-        from torch.distributed.fsdp import FSDPModule
-
-        shards = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        model.set_reshard_after_forward(False)
-        for m in shards:
-            m.unshard()
-        try:
-            yield
-        finally:
-            for m in shards:
-                m.reshard()
-            model.set_reshard_after_forward(accelerator.state.fsdp_plugin.reshard_after_forward)
-    else:
-        yield
-
-
-@contextlib.contextmanager
-def micro_batch(accelerator, model, last: bool):
-    """One forward/backward of an update that accumulates over several. Gradients are reduced across
-    processes only on the last (DDP and FSDP skip the sync before it), and DeepSpeed, which clips and
-    steps inside backward(), steps only there: accelerate passes it sync_gradients as the boundary."""
-    accelerator.sync_gradients = last
-    with contextlib.nullcontext() if last else accelerator.no_sync(model):
-        yield
-
-
-def backward(accelerator, loss: torch.Tensor) -> None:
-    """loss.backward() through accelerate. lanpo's losses are normalised over the whole batch already, so
-    DeepSpeed must not divide them again by its gradient_accumulation_steps."""
-    extra = {"scale_wrt_gas": False} if accelerator.state.deepspeed_plugin is not None else {}
-    accelerator.backward(loss, **extra)
-
-
-def check_launch(accelerator, cfg: Config) -> None:
-    """Refuse a launch that cannot be what the user asked for: several processes started (WORLD_SIZE) but
-    accelerate sees one, which would run independent copies of the job into one --out-dir; or FSDP1."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and accelerator.num_processes == 1:
-        raise SystemExit(f"{launched} processes were launched (WORLD_SIZE={launched}) but accelerate runs this one "
-                         "alone, so each would train its own copy into --out-dir. On GPUs use accelerate launch "
-                         "with a config from configs/; on CPU pass --cpu (torchrun --nproc_per_node N lanpo.py --cpu)")
-    if getattr(accelerator.state, "fsdp_plugin", None) is not None and not accelerator.is_fsdp2:
-        raise SystemExit("FSDP1 is not supported: use FSDP2 (fsdp_version: 2 in the accelerate config, as in "
-                         "configs/fsdp.yaml)")
 
 
 NO_UPDATE = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 1.0, "kl": 0.0, "loss": 0.0, "entropy": 0.0,
@@ -623,7 +668,7 @@ def evaluate_accuracy(model, tokenizer, rows: list[dict], cfg: Config, eos_ids: 
                                      one_shot=cfg.one_shot, gen_batch=cfg.gen_batch)
     mine = rows[accelerator.process_index::accelerator.num_processes]
     records, _ = evaluate.evaluate_rows(model, tokenizer, mine, "zero-shot", settings, eos_ids) if mine else ([], {})
-    summary = evaluate.summarize(gather_object(records), 1)
+    summary = evaluate.summarize(distributed.gather(records), 1)
     return {"eval_accuracy": summary["avg@1"], "eval_truncated": summary["truncated"]}
 
 
@@ -801,45 +846,84 @@ def interrupted(out_dir: Path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Main
+# Setup
 
 
-def main(cfg: Config) -> ExperiencePool:
-    """Train; returns this process's experience pool (the same on every process)."""
+@dataclass
+class Run:
+    """What setup() prepares and the training loop uses."""
+    cfg: Config
+    accelerator: Accelerator
+    model: torch.nn.Module           # as prepared by accelerate (wrapped under DDP/DeepSpeed/FSDP)
+    policy: torch.nn.Module          # the unwrapped model: generate() lives on it
+    ref_model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    tokenizer: object
+    eos_ids: list[int]
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    pool: ExperiencePool
+    lessons_cache: dict[str, dict]   # principles per problem id, reused for --abstract-refresh steps
+    start_step: int
+    out_dir: Path
+    wandb: object | None
+    previous_sigint: object | None
+
+    def full_weights(self):
+        """Context in which the whole weights are on every process (see distributed.gathered_for_generation)."""
+        return distributed.gathered_for_generation(self.model, self.accelerator)
+
+    def embedding_weights(self):
+        """--retriever policy embeds problems as they enter the pool: those forwards need the whole weights."""
+        return self.full_weights() if self.cfg.retriever == "policy" else contextlib.nullcontext()
+
+
+def load_rows(cfg: Config) -> tuple[list[dict], list[dict], collections.Counter]:
+    """Training problems, held-out problems (none when never evaluated) and the bad rows skipped."""
+    levels = parse_levels(cfg.levels)
+    train_size = cfg.synthetic_size if cfg.dataset.startswith("synthetic:") else cfg.train_size
+    fields = {"id_field": cfg.id_field, "problem_field": cfg.problem_field, "answer_field": cfg.answer_field}
+    train_rows, skipped = data.load_problems(cfg.dataset, cfg.split, size=train_size, seed=cfg.seed, levels=levels,
+                                             skip_bad=cfg.skip_bad_rows, **fields)
+    eval_spec = cfg.eval_dataset or (cfg.dataset if cfg.dataset.startswith("synthetic:") else "")
+    eval_rows = data.load_problems(eval_spec, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed, levels=levels,
+                                   train_size=train_size, **fields)[0] if eval_spec and cfg.eval_every else []
+    return train_rows, eval_rows, skipped
+
+
+def make_optimizer(cfg: Config, model):
+    """AdamW and the LR schedule (warmup, then constant/linear/cosine over every optimizer update)."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    total_updates = cfg.steps * cfg.ppo_epochs
+
+    def lr_factor(update: int) -> float:
+        if update < cfg.warmup_steps:
+            return (update + 1) / cfg.warmup_steps
+        progress = (update - cfg.warmup_steps) / max(1, total_updates - cfg.warmup_steps)
+        return {"constant": 1.0, "linear": 1.0 - progress,
+                "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.lr_schedule]
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def setup(cfg: Config) -> Run:
+    """Every check that needs no model first (nothing is written until they pass), then data, model,
+    reference, optimizer, the experience pool, and the state of a resumed run."""
     on_gpu = torch.cuda.is_available() and not cfg.cpu
     # step_scheduler_with_optimizer=False: accelerate would otherwise step the LR schedule once per process
     # per update (it assumes a dataloader whose batches grew with the process count)
     accelerator = Accelerator(cpu=cfg.cpu, step_scheduler_with_optimizer=False, mixed_precision="bf16" if (
         cfg.dtype == "bf16-mixed" or (cfg.dtype == "auto" and on_gpu)) else "no")
-    world, rank = accelerator.num_processes, accelerator.process_index
-    check_launch(accelerator, cfg)
-    if cfg.batch_problems % world:
-        raise SystemExit(f"--batch-problems {cfg.batch_problems} must be a multiple of the {world} processes "
-                         "(each process takes whole groups)")
-    per_process = cfg.batch_problems // world
-    if (per_process * cfg.group_size) % cfg.micro_batch:
-        raise SystemExit(f"--micro-batch {cfg.micro_batch} does not divide the {per_process * cfg.group_size} "
-                         f"rollouts of each of the {world} processes")
-    if cfg.drop_zero_adv_groups and world > 1:
-        raise SystemExit("--drop-zero-adv-groups runs in one process only: processes with different numbers of "
-                         "micro-batches would stall each other's gradient synchronisation")
-    # --- everything that can be checked without a model, before anything is written
+    distributed.check_launch(accelerator, cfg)
     out_dir = Path(cfg.out_dir)
     resume_from = check_out_dir(cfg, out_dir)
     check_wandb(cfg)
     models.check_available(cfg.model)
     set_seed(cfg.seed)
-    levels = parse_levels(cfg.levels)
-    train_size = cfg.synthetic_size if cfg.dataset.startswith("synthetic:") else cfg.train_size
-    train_rows, skipped = data.load_problems(cfg.dataset, cfg.split, size=train_size, seed=cfg.seed, levels=levels,
-                                             id_field=cfg.id_field, problem_field=cfg.problem_field,
-                                             answer_field=cfg.answer_field, skip_bad=cfg.skip_bad_rows)
-    eval_spec = cfg.eval_dataset or (cfg.dataset if cfg.dataset.startswith("synthetic:") else "")
-    eval_rows = data.load_problems(eval_spec, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed, levels=levels,
-                                   train_size=train_size, id_field=cfg.id_field, problem_field=cfg.problem_field,
-                                   answer_field=cfg.answer_field)[0] if eval_spec and cfg.eval_every else []
+    train_rows, eval_rows, skipped = load_rows(cfg)
 
-    # --- model, reference, optimizer
     # weights in this dtype; "auto" and "bf16-mixed" keep fp32 master weights (AdamW updates of ~1e-6 vanish
     # in bf16) and compute in bf16 through accelerate's autocast on GPUs
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, torch.float32)
@@ -859,17 +943,8 @@ def main(cfg: Config) -> ExperiencePool:
     if cfg.beta > 0 and cfg.lora_rank == 0:
         ref_dtype = torch.bfloat16 if on_gpu and dtype == torch.float32 else dtype  # forward only
         ref_model = models.load_policy(cfg.model, ref_dtype).eval().requires_grad_(False).to(accelerator.device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay)
-    total_updates = cfg.steps * cfg.ppo_epochs
-
-    def lr_factor(update: int) -> float:
-        if update < cfg.warmup_steps:
-            return (update + 1) / cfg.warmup_steps
-        progress = (update - cfg.warmup_steps) / max(1, total_updates - cfg.warmup_steps)
-        return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.lr_schedule]
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    per_process = cfg.batch_problems // accelerator.num_processes
+    optimizer, scheduler = make_optimizer(cfg, model)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:  # DeepSpeed clips and steps inside backward(), at the boundary micro_batch() marks;
         # these two only have to agree with its batch-size check (the loss is never divided by them)
@@ -877,192 +952,187 @@ def main(cfg: Config) -> ExperiencePool:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch
         plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    policy = accelerator.unwrap_model(model)  # generate() lives on the unwrapped module
+    policy = accelerator.unwrap_model(model)
 
     start_step = 0
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         start_step = json.loads((resume_from / "lanpo_state.json").read_text())["step"]
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
-    metrics_path = out_dir / "metrics.jsonl"
     if accelerator.is_main_process:
-        truncate_metrics(metrics_path, start_step)
+        truncate_metrics(out_dir / "metrics.jsonl", start_step)
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    run = start_wandb(cfg, accelerator)
+    wandb_run = start_wandb(cfg, accelerator)
     math_grader.warm_up()
 
-    # --- the experience pool (filled under every --feedback, so a GRPO run's pool can be used later)
+    # the experience pool (filled under every --feedback, so a GRPO run's pool can be used later)
     index = (pool_lib.TfidfIndex() if cfg.retriever == "tfidf"
              else pool_lib.EmbeddingIndex(abstract.hidden_state_embedder(policy, tokenizer)))
-    pool = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index)
-    # --retriever policy embeds problems as they enter the pool: those forwards need the whole weights
-    embedding_weights = ((lambda: gathered_for_generation(model, accelerator)) if cfg.retriever == "policy"
-                         else contextlib.nullcontext)
-    lessons_cache: dict[str, dict] = {}
+    run = Run(cfg, accelerator, model, policy, ref_model, optimizer, scheduler, tokenizer, eos_ids, train_rows,
+              eval_rows, ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index), {}, start_step,
+              out_dir, wandb_run, previous_sigint)
     if start_step:
-        with embedding_weights():
-            pool.load(resume_from / "pool.jsonl")
-        lessons_cache = json.loads((resume_from / "lessons_cache.json").read_text())
+        with run.embedding_weights():
+            run.pool.load(resume_from / "pool.jsonl")
+        run.lessons_cache = json.loads((resume_from / "lessons_cache.json").read_text())
+    return run
 
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def principles_for(run: Run, problems: list[dict], step: int) -> tuple[dict[str, str], abstract.AbstractionStats]:
+    """Inter-sample feedback for this process's problems: relevant similar problems from the pool, distilled
+    into principles (cached for --abstract-refresh steps, the cache shared by every process)."""
+    cfg = run.cfg
+    wanted = cfg.feedback_ratio > 0 or cfg.feedback_model_coef > 0 or cfg.self_distill_coef > 0
+    if cfg.feedback not in ("inter", "both") or not wanted:
+        return {}, abstract.AbstractionStats()
+    with run.full_weights():  # processes make different numbers of forwards
+        lessons, stats = abstract.lessons_for(
+            run.policy, run.tokenizer, run.pool, problems, run.lessons_cache, step, candidates=cfg.inter_candidates,
+            gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
+            attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens, eos_ids=run.eos_ids,
+            gen_batch=cfg.gen_batch)
+    for made in distributed.gather([{p["id"]: run.lessons_cache[p["id"]] for p in problems
+                                     if p["id"] in run.lessons_cache}]):
+        run.lessons_cache.update(made)
+    return lessons, stats
+
+
+def stop_after_bad_updates(bad_in_row: int, update_stats: dict, step: int, run: Run) -> int:
+    """Consecutive optimizer updates skipped for a non-finite loss or gradient; too many stop the run."""
+    bad_in_row = bad_in_row + int(update_stats["skipped_updates"]) if update_stats["skipped_updates"] else 0
+    if bad_in_row >= run.cfg.max_bad_updates:
+        raise SystemExit(f"{bad_in_row} optimizer updates in a row had a non-finite loss or gradient (step "
+                         f"{step + 1}); none was applied. Lower --lr or --max-grad-norm, or check the data. "
+                         f"Checkpoints so far: {[p.name for p in checkpoint_dirs(run.out_dir)]}")
+    return bad_in_row
+
+
+def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: UpdateBatch, update_stats: dict,
+                abstraction: abstract.AbstractionStats, timings: dict[str, float]) -> dict:
+    """The step's metrics line, over every process's rollouts (see the README's Metrics table)."""
+    cfg = run.cfg
+    per_rollout = distributed.gather([(k, len(c.completion_ids), c.truncated, len(c.prompt_ids))
+                                      for k, c in zip(r.kinds, r.completions)])
+    lengths = torch.tensor([n for _, n, _, _ in per_rollout], dtype=torch.float32)
+    record = {
+        "step": step + 1,
+        "reward_mean": all_rewards.mean().item(),
+        "reward_std": all_rewards.std().item(),
+        "accuracy": (all_rewards == 1.0).float().mean().item(),
+        "response_len_mean": lengths.mean().item(),
+        "truncated_frac": float(np.mean([t for _, _, t, _ in per_rollout])),
+        "zero_adv_group_frac": (all_rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item(),
+        **distributed.mean_over_processes(update_stats),
+        "lr": run.scheduler.get_last_lr()[0],
+        "tokens_per_s": lengths.sum().item() / max(timings["time_generate"], 1e-9),
+        **timings,
+        "grader_timeouts": math_grader.timeouts(),
+    }
+    if cfg.self_distill_coef > 0:
+        record["self_distill_tokens"] = b.window["teacher_tokens"] * run.accelerator.num_processes
+    if cfg.feedback_model_coef > 0:
+        record["feedback_model_texts"] = b.window["feedback_texts"]
+    record.update(kind_metrics([k for k, _, _, _ in per_rollout], all_rewards, lengths))
+    record.update(feedback_metrics(abstraction, run.pool, [n for _, _, _, n in per_rollout]))
+    return record
+
+
+def main(cfg: Config) -> ExperiencePool:
+    """Train; returns this process's experience pool (the same on every process)."""
+    return train(setup(cfg))
+
+
+def train(run: Run) -> ExperiencePool:
     from tqdm.auto import tqdm
 
-    bad_in_row = 0  # consecutive optimizer updates skipped for a non-finite loss or gradient
-
-    progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps,
+    cfg, accelerator, tokenizer, pool = run.cfg, run.accelerator, run.tokenizer, run.pool
+    rank, bad_in_row = accelerator.process_index, 0
+    progress = tqdm(range(run.start_step, cfg.steps), initial=run.start_step, total=cfg.steps,
                     disable=not accelerator.is_main_process, desc="lanpo")
     for step in progress:
         t_step = time.perf_counter()
         # per-step (and per-process) seed: a resumed run samples exactly as an uninterrupted one
         torch.manual_seed(cfg.seed * 1_000_003 + step * 1_009 + rank)
 
-        # 1. problems (this process takes whole groups), language feedback from the pool, prompts
-        problems = problems_for_step(train_rows, step, cfg.batch_problems, cfg.seed)
-        mine = problems[rank * per_process:(rank + 1) * per_process]
-        lessons, abstraction = {}, abstract.AbstractionStats()
-        wants_lessons = cfg.feedback_ratio > 0 or cfg.feedback_model_coef > 0 or cfg.self_distill_coef > 0
-        if cfg.feedback in ("inter", "both") and wants_lessons:
-            with gathered_for_generation(model, accelerator):  # processes make different numbers of forwards
-                lessons, abstraction = abstract.lessons_for(
-                    policy, tokenizer, pool, mine, lessons_cache, step, candidates=cfg.inter_candidates,
-                    gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
-                    attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens, eos_ids=eos_ids,
-                    gen_batch=cfg.gen_batch)
-            # every process keeps the same cache: entries made anywhere are shared
-            for made in gather_object([{p["id"]: lessons_cache[p["id"]] for p in mine if p["id"] in lessons_cache}]):
-                lessons_cache.update(made)
+        # 1. this process's problems (whole groups), language feedback from the pool, one prompt per rollout
+        mine = distributed.my_share(problems_for_step(run.train_rows, step, cfg.batch_problems, cfg.seed),
+                                    accelerator)
+        lessons, abstraction = principles_for(run, mine, step)
         rollout_prompts = build_prompts(tokenizer, mine, pool, lessons, cfg)
-        kinds = [p.kind for p in rollout_prompts]
-        rollout_problems = [p for p in mine for _ in range(cfg.group_size)]
 
         # 2. sample G rollouts per problem
         t0 = time.perf_counter()
-        with oom_hint("sampling", f"--gen-batch {max(1, cfg.gen_batch // 2)}", out_dir), \
-                gathered_for_generation(model, accelerator):
-            completions = generate_completions(policy, tokenizer, [p.text for p in rollout_prompts],
-                                               eos_ids=eos_ids, max_new_tokens=cfg.max_new_tokens,
+        with oom_hint("sampling", f"--gen-batch {max(1, cfg.gen_batch // 2)}", run.out_dir), run.full_weights():
+            completions = generate_completions(run.policy, tokenizer, [p.text for p in rollout_prompts],
+                                               eos_ids=run.eos_ids, max_new_tokens=cfg.max_new_tokens,
                                                temperature=cfg.temperature, top_p=cfg.top_p,
                                                batch_size=cfg.gen_batch)
-        time_generate = time.perf_counter() - t0
+        timings = {"time_generate": time.perf_counter() - t0}
 
         # 3. grade against the gold answers (numerical reward; feedback never changes it)
         t0 = time.perf_counter()
-        rewards = grade_all(completions, [p["answer"] for p in rollout_problems])
-        time_grade = time.perf_counter() - t0
-        all_rewards = torch.tensor(gather_object(rewards.tolist()))  # every process's groups, in rank order
+        problems = [p for p in mine for _ in range(cfg.group_size)]
+        rewards = grade_all(completions, [p["answer"] for p in problems])
+        timings["time_grade"] = time.perf_counter() - t0
+        all_rewards = torch.tensor(distributed.gather(rewards.tolist()))  # every process's groups, rank order
 
-        # 4. group-relative advantages over each problem's G rollouts (RLTF-SD: against its from-scratch ones)
-        if cfg.feedback_grad == "distill":
-            from_scratch = torch.tensor([k == "scratch" for k in gather_object(kinds)])
-            advantages = distill.first_turn_advantages(all_rewards, from_scratch, cfg.group_size, cfg.adv_scale)
-        else:
-            advantages = grpo.group_advantages(all_rewards, cfg.group_size, cfg.adv_scale)
-        advantages = advantages[rank * len(completions):(rank + 1) * len(completions)]
+        # 4. group-relative advantages over each problem's G rollouts
+        advantages = step_advantages([p.kind for p in rollout_prompts], all_rewards, cfg, accelerator)
+        rollouts = Rollouts(problems, rollout_prompts, completions, rewards, advantages)
 
-        # 5. clipped policy-gradient update(s), over the whole mixed group, plus the feedback-through-the-
-        # gradient terms that are switched on. Each decision below is taken the same on every process.
-        train_on, behaviour, teachers = completions, None, None
-        if cfg.feedback_grad != "context" and any(gather_object([any(k != "scratch" for k in kinds)])):
-            behaviour = [None if p.kind == "scratch" else c for c, p in zip(completions, rollout_prompts)]
-            train_on = [c if p.kind == "scratch" else dataclasses.replace(c, prompt_ids=token_ids(tokenizer, p.plain))
-                        for c, p in zip(completions, rollout_prompts)]
-        if cfg.self_distill_coef > 0:  # the same completion, scored by the model shown the feedback
-            teachers = [dataclasses.replace(c, prompt_ids=token_ids(tokenizer, p.teacher))
-                        if p.kind == "scratch" and p.teacher else None for c, p in zip(completions, rollout_prompts)]
-        if cfg.drop_zero_adv_groups:  # groups with equal rewards carry no signal: leave them out entirely
-            live = rewards.view(-1, cfg.group_size).std(dim=1) > 0
-            keep = [i for i in range(len(completions)) if live[i // cfg.group_size]]
-            train_on, advantages = [train_on[i] for i in keep], advantages[keep]
-            behaviour = [behaviour[i] for i in keep] if behaviour else None
-            teachers = [teachers[i] for i in keep] if teachers else None
-        feedback_texts = (feedback_model_texts(tokenizer, mine, lessons, completions, kinds, cfg, eos_ids)
-                          if cfg.feedback_model_coef > 0 else [])
-        # Loss normalisers of the whole batch over all processes, divided by the number of processes,
-        # because data-parallel training averages the processes' gradients.
-        counts = gather_object([(len(train_on), sum(len(c.completion_ids) for c in train_on),
-                                 sum(len(c.completion_ids) for c in teachers or [] if c is not None),
-                                 sum(len(c.completion_ids) for c in feedback_texts), len(feedback_texts))])
-        window = {name: sum(c[k] for c in counts) / world
-                  for k, name in enumerate(("seqs", "tokens", "teacher_tokens", "feedback_tokens"))}
-        if not window["teacher_tokens"]:
-            teachers = None  # no teacher on any process this step: no teacher forward passes
-        # every process makes as many feedback-modelling passes (ZeRO-3/FSDP forwards are collective):
-        # the ones with fewer texts pad with zero-weight copies
-        padding = max(c[4] for c in counts) - len(feedback_texts)
-        weighted = [(c, 1.0) for c in feedback_texts] + [((feedback_texts or completions)[0], 0.0)] * padding
+        # 5. clipped policy-gradient update(s) over the whole mixed group, plus the terms switched on
+        batch = update_batch(tokenizer, rollouts, mine, lessons, cfg, run.eos_ids, accelerator.num_processes)
         with oom_hint("the policy update", f"--micro-batch {max(1, cfg.micro_batch // 2)} or "
-                      "--gradient-checkpointing", out_dir):
-            update_stats = policy_update(model, ref_model, optimizer, scheduler, accelerator, train_on, advantages,
-                                         cfg, tokenizer.pad_token_id, window, behaviour, teachers,
-                                         weighted) if train_on else NO_UPDATE
-        bad_in_row = bad_in_row + int(update_stats["skipped_updates"]) if update_stats["skipped_updates"] else 0
-        if bad_in_row >= cfg.max_bad_updates:
-            raise SystemExit(f"{bad_in_row} optimizer updates in a row had a non-finite loss or gradient (step "
-                             f"{step + 1}); none was applied. Lower --lr or --max-grad-norm, or check the data. "
-                             f"Checkpoints so far: {[p.name for p in checkpoint_dirs(out_dir)]}")
+                      "--gradient-checkpointing", run.out_dir):
+            update_stats = policy_update(run.model, run.ref_model, run.optimizer, run.scheduler, accelerator,
+                                         batch, cfg, tokenizer.pad_token_id) if batch.completions else NO_UPDATE
+        bad_in_row = stop_after_bad_updates(bad_in_row, update_stats, step, run)
 
         # 6. remember every trial of every process: the pool feeds reflection and abstraction later
-        trials = gather_object([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, r, step + 1)
-                                for prob, p, c, r in zip(rollout_problems, rollout_prompts, completions,
-                                                         rewards.tolist())])
-        with embedding_weights():
+        trials = distributed.gather([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, rew, step + 1)
+                                     for prob, p, c, rew in zip(problems, rollout_prompts, completions,
+                                                                rewards.tolist())])
+        with run.embedding_weights():
             pool.add(trials)
 
-        # 7. log (over all processes' rollouts)
-        per_rollout = gather_object([(k, len(c.completion_ids), c.truncated, len(c.prompt_ids))
-                                     for k, c in zip(kinds, completions)])
-        all_kinds = [k for k, _, _, _ in per_rollout]
-        lengths = torch.tensor([n for _, n, _, _ in per_rollout], dtype=torch.float32)
-        grouped = all_rewards.view(-1, cfg.group_size)
-        record = {
-            "step": step + 1,
-            "reward_mean": all_rewards.mean().item(),
-            "reward_std": all_rewards.std().item(),
-            "accuracy": (all_rewards == 1.0).float().mean().item(),
-            "response_len_mean": lengths.mean().item(),
-            "truncated_frac": float(np.mean([t for _, _, t, _ in per_rollout])),
-            "zero_adv_group_frac": (grouped.std(dim=1) == 0).float().mean().item(),
-            **mean_over_processes(update_stats),
-            "lr": scheduler.get_last_lr()[0],
-            "tokens_per_s": lengths.sum().item() / max(time_generate, 1e-9),
-            "time_generate": time_generate,
-            "time_grade": time_grade,
-            "grader_timeouts": math_grader.timeouts(),
-        }
-        if cfg.self_distill_coef > 0:
-            record["self_distill_tokens"] = window["teacher_tokens"] * world
-        if cfg.feedback_model_coef > 0:
-            record["feedback_model_texts"] = float(sum(c[4] for c in counts))
-        record.update(kind_metrics(all_kinds, all_rewards, lengths))
-        record.update(feedback_metrics(abstraction, pool, [n for _, _, _, n in per_rollout], accelerator))
-
-        # 8. evaluate and checkpoint
-        if eval_rows and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+        # 7. log, evaluate (greedy, plain prompts: no feedback at test time), checkpoint
+        record = step_record(run, step, rollouts, all_rewards, batch, update_stats, abstraction, timings)
+        if run.eval_rows and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             t0 = time.perf_counter()
-            with gathered_for_generation(model, accelerator):
-                record.update(evaluate_accuracy(policy, tokenizer, eval_rows, cfg, eos_ids, accelerator))
+            with run.full_weights():
+                record.update(evaluate_accuracy(run.policy, tokenizer, run.eval_rows, cfg, run.eos_ids, accelerator))
             record["time_eval"] = time.perf_counter() - t0
         record["time_step"] = time.perf_counter() - t_step
-        record["memory_peak_gb"] = max(gather_object([peak_memory_gb(accelerator.device)]))
+        record["memory_peak_gb"] = max(distributed.gather([peak_memory_gb(accelerator.device)]))
         if accelerator.is_main_process:
-            append_metrics(metrics_path, record)
-            if run is not None:
-                run.log(record, step=step + 1)
+            append_metrics(run.out_dir / "metrics.jsonl", record)
+            if run.wandb is not None:
+                run.wandb.log(record, step=step + 1)
             progress.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.0f}")
         # after the metrics line: a kill between the two re-runs this step, never loses its line
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or (step + 1 == cfg.steps and cfg.final_checkpoint):
-            save_checkpoint(accelerator, out_dir, step + 1, cfg.keep_last, pool, lessons_cache, policy, tokenizer)
-
-    state_dict = accelerator.get_state_dict(model)  # gathers sharded (ZeRO-3/FSDP) weights; all processes call it
-    if accelerator.is_main_process:
-        final = out_dir / "final"
-        policy.save_pretrained(final, state_dict=state_dict)
-        tokenizer.save_pretrained(final)
-        accelerator.print(f"done: metrics in {metrics_path}, model in {final}")
-    if run is not None:
-        run.finish()
-    if previous_sigint is not None:
-        signal.signal(signal.SIGINT, previous_sigint)
+            save_checkpoint(accelerator, run.out_dir, step + 1, cfg.keep_last, pool, run.lessons_cache, run.policy,
+                            tokenizer)
+    finish(run)
     return pool
+
+
+def finish(run: Run) -> None:
+    """The final weights as a model directory (gathered from shards under ZeRO-3/FSDP: every process calls it)."""
+    state_dict = run.accelerator.get_state_dict(run.model)
+    if run.accelerator.is_main_process:
+        final = run.out_dir / "final"
+        run.policy.save_pretrained(final, state_dict=state_dict)
+        run.tokenizer.save_pretrained(final)
+        run.accelerator.print(f"done: metrics in {run.out_dir / 'metrics.jsonl'}, model in {final}")
+    if run.wandb is not None:
+        run.wandb.finish()
+    if run.previous_sigint is not None:
+        signal.signal(signal.SIGINT, run.previous_sigint)
 
 
 if __name__ == "__main__":

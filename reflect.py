@@ -1,16 +1,13 @@
-"""Reward-agnostic reflection (intra-sample feedback): a prompt that shows the model its own earlier
-attempt(s) at a problem, as attempts that may or may not be right, and asks it to check them critically
-and solve the problem again.
-
-`reflection_request` takes the problem and the attempt texts only. It has no parameter through which a
-reward, a verdict or the gold answer could enter: label leakage is impossible by construction.
-The leaky variants of the paper's failure cases live apart, in `leaky_reflection_request`, and exist
-only to be measured against (`--reflect-mode with-reward|with-gold`).
+"""Reward-agnostic reflection (intra-sample feedback): the model's own earlier attempt(s) at a problem,
+shortened to a token budget, go into a prompt (prompts.reflection_request) that shows them as attempts that
+may or may not be right and asks for a critical check and a fresh solution. Training and evaluate.py both
+build reflection prompts with `reflection_prompt`.
 """
 
 from __future__ import annotations
 
-from prompts import FORMAT_INSTRUCTION, encodable
+import prompts
+from prompts import encodable
 
 ELISION = "\n[... middle of the attempt omitted ...]\n"
 
@@ -28,30 +25,13 @@ def shorten(text: str, tokenizer, max_tokens: int) -> str:
             + tokenizer.decode(ids[-tail:], skip_special_tokens=True))
 
 
-def _attempt_block(attempts: list[str]) -> str:
-    if len(attempts) == 1:
-        return f"Earlier attempt:\n{attempts[0]}"
-    return "\n\n".join(f"Earlier attempt {i}:\n{a}" for i, a in enumerate(attempts, 1))
-
-
-def reflection_request(problem: str, attempts: list[str]) -> str:
-    """User turn asking for a critical review of earlier attempts, then a fresh solution."""
-    if not attempts:
-        raise ValueError("reflection needs at least one earlier attempt")
-    noun = "attempt" if len(attempts) == 1 else "attempts"
-    return (f"Problem: {problem}\n\n{_attempt_block(attempts)}\n\n"
-            f"The earlier {noun} above may or may not contain mistakes. Check every step critically, "
-            f"then solve the problem yourself from the beginning.\n{FORMAT_INSTRUCTION}")
-
-
-def leaky_reflection_request(problem: str, attempts: list[str], mode: str, rewards: list[float],
-                             gold: str) -> str:
-    """ABLATION ONLY. `with-reward` tells whether each attempt was correct; `with-gold` shows the gold
-    answer. These are the label-leaking baselines the paper shows to fail; never use them for real runs."""
-    if mode == "with-reward":
-        verdicts = ["correct" if r > 0 else "incorrect" for r in rewards]
-        shown = [f"{a}\n(This attempt was {v}.)" for a, v in zip(attempts, verdicts)]
-        return reflection_request(problem, shown)
-    if mode == "with-gold":
-        return reflection_request(problem, attempts) + f"\nThe correct final answer is {gold}."
-    raise ValueError(f"leaky reflection mode must be 'with-reward' or 'with-gold', got {mode!r}")
+def reflection_prompt(tokenizer, problem: str, attempts: list[str], *, attempt_tokens: int, one_shot: bool,
+                      mode: str = "agnostic", rewards: list[float] = (), gold: str = "") -> tuple[str, str]:
+    """(the rendered reflection prompt, the attempts as shown) for earlier attempts, newest first. `mode`
+    other than agnostic is a leaky ablation (--reflect-mode), the only way rewards or the gold answer enter."""
+    shown = [shorten(a, tokenizer, attempt_tokens) for a in attempts]
+    if mode == "agnostic":
+        request = prompts.reflection_request(problem, shown)
+    else:
+        request = prompts.leaky_reflection_request(problem, shown, mode, list(rewards), gold)
+    return prompts.render_prompt(tokenizer, request, one_shot), "\n\n".join(shown)

