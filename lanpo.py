@@ -33,13 +33,13 @@ import abstract
 import data
 import distill
 import distributed
-import evaluate
 import grpo
 import math_grader
 import models
 import pool as pool_lib
 import prompts
 import reflect
+import scoring
 from pool import ExperiencePool, Trial
 from rollout import Completion, generate_completions, pack
 
@@ -157,11 +157,12 @@ class Config:
     keep_last: int = _f(2, "checkpoints to keep")
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Command line -> Config: one --flag-name per field, help and default from the dataclass."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
+    """One --flag-name per Config field (or per field in `names`), help and default from the dataclass;
+    evaluate.py takes the settings it shares with training from here."""
     for f in dataclasses.fields(Config):
+        if names is not None and f.name not in names:
+            continue
         flag = "--" + f.name.replace("_", "-")
         extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
         if f.type in ("bool", bool):
@@ -170,6 +171,13 @@ def parse_config(argv: list[str] | None = None) -> Config:
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
             parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"], **extra)
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Command line -> Config, checked."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_flags(parser)
     cfg = Config(**vars(parser.parse_args(argv)))
     check_config(cfg)
     return cfg
@@ -663,12 +671,11 @@ def reference_logprobs(model, ref_model, ids, attn, cmask, cfg: Config) -> torch
 def evaluate_accuracy(model, tokenizer, rows: list[dict], cfg: Config, eos_ids: list[int],
                       accelerator) -> dict[str, float]:
     """Greedy accuracy on held-out problems from plain prompts (no feedback at test time), through
-    evaluate.py's code path; each process takes every world-th problem."""
-    settings = evaluate.EvalSettings(samples=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens,
-                                     one_shot=cfg.one_shot, gen_batch=cfg.gen_batch)
+    evaluate.py's code path (scoring.evaluate_rows); each process takes every world-th problem."""
+    settings = scoring.EvalSettings.from_config(cfg)
     mine = rows[accelerator.process_index::accelerator.num_processes]
-    records, _ = evaluate.evaluate_rows(model, tokenizer, mine, "zero-shot", settings, eos_ids) if mine else ([], {})
-    summary = evaluate.summarize(distributed.gather(records), 1)
+    records, _ = scoring.evaluate_rows(model, tokenizer, mine, "zero-shot", settings, eos_ids) if mine else ([], {})
+    summary = scoring.summarize(distributed.gather(records), 1)
     return {"eval_accuracy": summary["avg@1"], "eval_truncated": summary["truncated"]}
 
 
@@ -982,7 +989,7 @@ def setup(cfg: Config) -> Run:
 # The loop
 
 
-def principles_for(run: Run, problems: list[dict], step: int) -> tuple[dict[str, str], abstract.AbstractionStats]:
+def lessons_for_step(run: Run, problems: list[dict], step: int) -> tuple[dict[str, str], abstract.AbstractionStats]:
     """Inter-sample feedback for this process's problems: relevant similar problems from the pool, distilled
     into principles (cached for --abstract-refresh steps, the cache shared by every process)."""
     cfg = run.cfg
@@ -1012,7 +1019,7 @@ def stop_after_bad_updates(bad_in_row: int, update_stats: dict, step: int, run: 
 
 
 def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: UpdateBatch, update_stats: dict,
-                abstraction: abstract.AbstractionStats, timings: dict[str, float]) -> dict:
+                lesson_stats: abstract.AbstractionStats, timings: dict[str, float]) -> dict:
     """The step's metrics line, over every process's rollouts (see the README's Metrics table)."""
     cfg = run.cfg
     per_rollout = distributed.gather([(k, len(c.completion_ids), c.truncated, len(c.prompt_ids))
@@ -1037,7 +1044,7 @@ def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: 
     if cfg.feedback_model_coef > 0:
         record["feedback_model_texts"] = b.window["feedback_texts"]
     record.update(kind_metrics([k for k, _, _, _ in per_rollout], all_rewards, lengths))
-    record.update(feedback_metrics(abstraction, run.pool, [n for _, _, _, n in per_rollout]))
+    record.update(feedback_metrics(lesson_stats, run.pool, [n for _, _, _, n in per_rollout]))
     return record
 
 
@@ -1061,7 +1068,7 @@ def train(run: Run) -> ExperiencePool:
         # 1. this process's problems (whole groups), language feedback from the pool, one prompt per rollout
         mine = distributed.my_share(problems_for_step(run.train_rows, step, cfg.batch_problems, cfg.seed),
                                     accelerator)
-        lessons, abstraction = principles_for(run, mine, step)
+        lessons, lesson_stats = lessons_for_step(run, mine, step)
         rollout_prompts = build_prompts(tokenizer, mine, pool, lessons, cfg)
 
         # 2. sample G rollouts per problem
@@ -1100,7 +1107,7 @@ def train(run: Run) -> ExperiencePool:
             pool.add(trials)
 
         # 7. log, evaluate (greedy, plain prompts: no feedback at test time), checkpoint
-        record = step_record(run, step, rollouts, all_rewards, batch, update_stats, abstraction, timings)
+        record = step_record(run, step, rollouts, all_rewards, batch, update_stats, lesson_stats, timings)
         if run.eval_rows and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             t0 = time.perf_counter()
             with run.full_weights():

@@ -26,10 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
-import evaluate  # noqa: E402
 import lanpo  # noqa: E402
 import models  # noqa: E402
 import plot  # noqa: E402
+import scoring  # noqa: E402
 import stats  # noqa: E402
 
 ARMS = {  # name -> the flags that make it (on top of the common ones)
@@ -51,9 +51,8 @@ def verdicts(model_dir: str, rows: list[dict], cfg: lanpo.Config) -> list[float]
     """Greedy verdict per held-out problem, through the code path training's eval uses."""
     tokenizer = models.load_tokenizer(model_dir)
     model = models.load_policy(model_dir, torch.float32)
-    settings = evaluate.EvalSettings(samples=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens,
-                                     one_shot=cfg.one_shot, gen_batch=cfg.gen_batch)
-    records, _ = evaluate.evaluate_rows(model, tokenizer, rows, "zero-shot", settings,
+    settings = scoring.EvalSettings.from_config(cfg)
+    records, _ = scoring.evaluate_rows(model, tokenizer, rows, "zero-shot", settings,
                                         models.eos_token_ids(model, tokenizer))
     return [r["verdicts"][0] for r in records]
 

@@ -1,4 +1,4 @@
-"""evaluate.py and plot.py: metrics against hand-computed values, both reflect turns, outputs, bad input."""
+"""evaluate.py, scoring.py, plot.py: metrics against hand-computed values, reflect turns, outputs, bad input."""
 
 import json
 import math
@@ -9,32 +9,34 @@ import pytest
 from conftest import fake_grade
 
 import evaluate
+import lanpo
 import math_grader
 import plot
+import scoring
 from pool import ExperiencePool, Trial
 
 
 def test_pass_at_k_closed_form():
-    assert evaluate.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
-    assert evaluate.pass_at_k(4, 0, 3) == 0.0 and evaluate.pass_at_k(4, 4, 1) == 1.0
-    assert evaluate.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert scoring.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert scoring.pass_at_k(4, 0, 3) == 0.0 and scoring.pass_at_k(4, 4, 1) == 1.0
+    assert scoring.pass_at_k(4, 1, 1) == pytest.approx(0.25)
     rng = random.Random(0)
     for _ in range(200):
         n = rng.randint(1, 40)
         c, k = rng.randint(0, n), rng.randint(1, n)
-        assert evaluate.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
+        assert scoring.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
     with pytest.raises(ValueError):
-        evaluate.pass_at_k(2, 1, 3)
+        scoring.pass_at_k(2, 1, 3)
 
 
 def test_majority_vote_with_ties():
-    assert evaluate.majority_correct(["2", "2", "3"], [1, 1, 0]) == 1.0
-    assert evaluate.majority_correct(["3", "3", "2"], [0, 0, 1]) == 0.0
-    assert evaluate.majority_correct(["2", "3"], [1, 0]) == 0.5                     # 1-1 tie
-    assert evaluate.majority_correct(["2", "3", "3", "2", None, None], [1, 0, 0, 1, 0, 0]) == 0.5  # None never votes
-    assert evaluate.majority_correct(["\\frac{1}{2}", "\\dfrac{1}{2}", "3"], [1, 1, 0]) == 1.0  # same after normalising
-    assert evaluate.majority_correct(["4", "5", "6"], [0, 1, 1]) == pytest.approx(2 / 3)   # three-way tie
-    assert evaluate.majority_correct([None, None], [0, 0]) == 0.0
+    assert scoring.majority_correct(["2", "2", "3"], [1, 1, 0]) == 1.0
+    assert scoring.majority_correct(["3", "3", "2"], [0, 0, 1]) == 0.0
+    assert scoring.majority_correct(["2", "3"], [1, 0]) == 0.5                     # 1-1 tie
+    assert scoring.majority_correct(["2", "3", "3", "2", None, None], [1, 0, 0, 1, 0, 0]) == 0.5  # None never votes
+    assert scoring.majority_correct(["\\frac{1}{2}", "\\dfrac{1}{2}", "3"], [1, 1, 0]) == 1.0  # same after normalising
+    assert scoring.majority_correct(["4", "5", "6"], [0, 1, 1]) == pytest.approx(2 / 3)   # three-way tie
+    assert scoring.majority_correct([None, None], [0, 0]) == 0.0
 
 
 def test_summarize_by_hand():
@@ -42,7 +44,7 @@ def test_summarize_by_hand():
         {"verdicts": [1.0, 0.0], "answers": ["1", "2"], "lengths": [10, 20], "truncated": [False, True]},
         {"verdicts": [0.0, 0.0], "answers": ["7", "7"], "lengths": [30, 30], "truncated": [False, False]},
     ]
-    s = evaluate.summarize(records, 2)
+    s = scoring.summarize(records, 2)
     assert s["avg@2"] == 0.25 and s["pass@1"] == 0.25 and s["pass@2"] == 0.5
     assert s["maj@2"] == 0.25  # problem 1: tie 1-1 -> 0.5; problem 2: 0
     assert s["response_len"] == 22.5 and s["truncated"] == 0.25 and s["problems"] == 2
@@ -59,8 +61,9 @@ def test_reflect_mode_runs_two_turns_and_counts_flips(tiny, monkeypatch, tmp_pat
     monkeypatch.setattr(math_grader, "grade", fake_grade)
     model, tokenizer = tiny
     rows = evaluate.load_benchmark(str(_bench(tmp_path)), tmp_path, 0, 0, "test")
-    s = evaluate.EvalSettings(samples=3, temperature=1.0, max_new_tokens=6, attempt_tokens=32)
-    records, summary = evaluate.evaluate_rows(model, tokenizer, rows, "reflect", s, [2])
+    s = scoring.EvalSettings.from_config(lanpo.Config(), samples=3, temperature=1.0, max_new_tokens=6,
+                                         attempt_tokens=32)
+    records, summary = scoring.evaluate_rows(model, tokenizer, rows, "reflect", s, [2])
     pairs = [(b, a) for r in records for b, a in zip(r["verdicts"], r["turn2_verdicts"])]
     assert len(pairs) == 18 and all(len(r["turn2_responses"]) == 3 for r in records)
     assert summary["flip_wrong_to_right"] == sum(a and not b for b, a in pairs) / 18
@@ -140,7 +143,7 @@ def test_plot_overlays_runs(tmp_path, monkeypatch):
 def test_every_accuracy_carries_its_interval():
     rec = lambda v: {"verdicts": v, "answers": ["1"] * len(v), "lengths": [3] * len(v),  # noqa: E731
                      "truncated": [False] * len(v)}
-    summary = evaluate.summarize([rec([1.0, 0.0])] * 20 + [rec([1.0, 1.0])] * 20, 2)
+    summary = scoring.summarize([rec([1.0, 0.0])] * 20 + [rec([1.0, 1.0])] * 20, 2)
     for key in ("avg@2", "pass@1", "pass@2", "maj@2"):
         assert summary[f"{key}_low"] <= summary[key] <= summary[f"{key}_high"]
     assert summary["pass@2"] == summary["pass@2_low"] == summary["pass@2_high"] == 1.0  # every problem solved

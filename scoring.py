@@ -1,0 +1,180 @@
+"""How a model scores on problems: sampling without feedback (zero-shot) or with it at test time (reflect: a
+second turn that reviews the first attempt; abstract: principles from a saved *training* pool), grading,
+and the metrics with their 95 % intervals. Training's periodic eval, evaluate.py and bench/ all call
+`evaluate_rows`: one implementation.
+
+Metrics: avg@k (mean accuracy of the k samples), unbiased pass@j (Chen et al. 2021) for j = 1, 2, 4, ... <= k,
+maj@k (majority vote over extracted answers; ties count fractionally), each with its bootstrap interval over
+problems (`<metric>_low`, `<metric>_high`); mean response length, truncation rate; in reflect mode the same
+for turn 2 and the share of samples that flipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+import abstract
+import math_grader
+import prompts
+import reflect
+import stats
+from pool import ExperiencePool
+from rollout import generate_completions
+
+MODES = ("zero-shot", "reflect", "abstract")
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), in a stable product form."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def majority_correct(answers: list[str | None], verdicts: list[float]) -> float:
+    """maj@k: the most frequent extracted answer (normalised) wins; responses without an answer do not
+    vote. Ties count fractionally: the share of correct answers among the tied winners (the expected
+    score of a uniformly random tie-break). No votes at all scores 0."""
+    votes: Counter = Counter()
+    verdict_of: dict[str, float] = {}
+    for answer, verdict in zip(answers, verdicts):
+        if answer is None:
+            continue
+        key = math_grader.normalize(answer)
+        votes[key] += 1
+        verdict_of.setdefault(key, verdict)
+    if not votes:
+        return 0.0
+    top = max(votes.values())
+    winners = [key for key, count in votes.items() if count == top]
+    return sum(verdict_of[w] for w in winners) / len(winners)
+
+
+def summarize(records: list[dict], samples: int) -> dict[str, float]:
+    """Benchmark-level metrics from per-problem records (each with `verdicts`, `lengths`, `truncated`,
+    `answers`); each accuracy with its 95 % bootstrap interval over problems (`_low`, `_high`)."""
+    if not records:
+        return {}
+    out = {"problems": float(len(records))}
+    for key, scores in per_problem_scores(records, samples).items():
+        out[key], out[f"{key}_low"], out[f"{key}_high"] = stats.interval([scores])
+    out["response_len"] = float(np.mean([np.mean(r["lengths"]) for r in records]))
+    out["truncated"] = float(np.mean([np.mean(r["truncated"]) for r in records]))
+    return out
+
+
+def per_problem_scores(records: list[dict], samples: int) -> dict[str, list[float]]:
+    """Each accuracy metric's score per problem (their means are the benchmark's metrics): avg@k, pass@j for
+    j = 1, 2, 4, ... <= k, maj@k."""
+    out = {f"avg@{samples}": [float(np.mean(r["verdicts"])) for r in records]}
+    j = 1
+    while j <= samples:
+        out[f"pass@{j}"] = [pass_at_k(samples, int(sum(r["verdicts"])), j) for r in records]
+        j *= 2
+    out[f"maj@{samples}"] = [majority_correct(r["answers"], r["verdicts"]) for r in records]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+@dataclass
+class EvalSettings:
+    """How to sample and build feedback prompts; the names are lanpo.Config's (see `from_config`)."""
+    max_new_tokens: int
+    one_shot: bool
+    gen_batch: int
+    attempt_tokens: int         # reflect/abstract: budget per shown attempt or experience
+    inter_candidates: int
+    relevance_threshold: float
+    abstract_max_tokens: int
+    samples: int = 1            # k responses per problem
+    temperature: float = 0.0    # 0 = greedy (then samples must be 1)
+    top_p: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg, **overrides) -> EvalSettings:
+        """The settings of a training config (lanpo.Config, or evaluate.py's arguments, which share its
+        names and defaults), with overrides; temperature and samples are evaluation's own (greedy, 1)."""
+        shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)
+                  if f.name not in ("samples", "temperature") and hasattr(cfg, f.name)}
+        return cls(**{**shared, **overrides})
+
+
+def _sample(model, tokenizer, texts: list[str], s: EvalSettings, eos_ids: list[int]):
+    return generate_completions(model, tokenizer, texts, eos_ids=eos_ids, max_new_tokens=s.max_new_tokens,
+                                temperature=s.temperature or 1.0, top_p=s.top_p, greedy=s.temperature == 0,
+                                batch_size=s.gen_batch)
+
+
+def _record(row: dict, prompt: str, outs) -> dict:
+    verdicts = [math_grader.grade(o.text, row["answer"]) for o in outs]
+    return {"id": row["id"], "problem": row["problem"], "gold": row["answer"], "prompt": prompt,
+            "responses": [o.text for o in outs], "answers": [math_grader.extract_answer(o.text) for o in outs],
+            "verdicts": verdicts, "lengths": [len(o.completion_ids) for o in outs],
+            "truncated": [o.truncated for o in outs]}
+
+
+def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings, eos_ids: list[int],
+                  pool: ExperiencePool | None = None,
+                  first_turn: list[dict] | None = None) -> tuple[list[dict], dict[str, float]]:
+    """Per-problem records and the summary for one benchmark in one mode. In `reflect` mode each record
+    also holds the second turn (`turn2_*`), and the summary the turn-2 metrics and the flips; turn 1 is
+    a zero-shot pass, taken from `first_turn` (zero-shot records of the same rows and seed) when given."""
+    if s.temperature == 0 and s.samples != 1:
+        raise SystemExit("greedy decoding (--temperature 0) gives one distinct sample: use --samples 1")
+    k = s.samples
+    lessons: dict[str, str] = {}
+    if mode == "abstract":
+        if pool is None:
+            raise SystemExit("--mode abstract needs --pool (a pool.jsonl saved by a training run)")
+        lessons, _ = abstract.lessons_for(
+            model, tokenizer, pool, rows, {}, 0, candidates=s.inter_candidates, gamma=s.relevance_threshold,
+            mode="principles", refresh=1, attempt_tokens=s.attempt_tokens, max_new_tokens=s.abstract_max_tokens,
+            eos_ids=eos_ids, gen_batch=s.gen_batch)
+    texts = []
+    for row in rows:
+        request = prompts.problem_request(row["problem"])
+        if row["id"] in lessons:
+            request = prompts.abstraction_request(row["problem"], lessons[row["id"]])
+        texts.append(prompts.render_prompt(tokenizer, request, s.one_shot))
+    if mode == "reflect" and first_turn is not None:
+        records = [dict(r) for r in first_turn]
+    else:
+        outs = _sample(model, tokenizer, [t for t in texts for _ in range(k)], s, eos_ids)
+        records = [_record(row, text, outs[i * k:(i + 1) * k]) for i, (row, text) in enumerate(zip(rows, texts))]
+    for r in records:
+        r["lessons"] = lessons.get(r["id"], "")
+    summary = summarize(records, k)
+    if mode == "abstract":
+        summary["with_lessons"] = float(len(lessons)) / len(rows)
+
+    if mode == "reflect":  # turn 2: each sample reviews its own first attempt (never told if it was right)
+        second = [reflect.reflection_prompt(tokenizer, r["problem"], [resp], attempt_tokens=s.attempt_tokens,
+                                            one_shot=s.one_shot)[0] for r in records for resp in r["responses"]]
+        outs2 = _sample(model, tokenizer, second, s, eos_ids)
+        turn2 = [_record(row, "", outs2[i * k:(i + 1) * k]) for i, row in enumerate(rows)]
+        for r, t in zip(records, turn2):
+            for key in ("responses", "answers", "verdicts", "lengths", "truncated"):
+                r[f"turn2_{key}"] = t[key]
+        summary.update(turn2_summary(records, k))
+    return records, summary
+
+
+def turn2_summary(records: list[dict], samples: int) -> dict[str, float]:
+    """Turn-2 metrics of reflect mode, and the share of samples that flipped right->wrong / wrong->right."""
+    turn2 = [{k.removeprefix("turn2_"): v for k, v in r.items() if k.startswith("turn2_")} for r in records]
+    out = {f"turn2_{key}": v for key, v in summarize(turn2, samples).items() if key != "problems"}
+    pairs = [(b > 0, a > 0) for r in records for b, a in zip(r["verdicts"], r["turn2_verdicts"])]
+    out["flip_right_to_wrong"] = sum(b and not a for b, a in pairs) / len(pairs)
+    out["flip_wrong_to_right"] = sum(a and not b for b, a in pairs) / len(pairs)
+    return out
+
+
