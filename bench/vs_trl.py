@@ -107,7 +107,8 @@ def main() -> None:
     n = args.batch_problems * args.group_size
     for r in range(args.rounds):
         out = work / f"ours-{r}"
-        ours_rss.append(run_child([sys.executable, str(ROOT / "lanpo.py"), "--model", model_dir, "--dataset", str(work / "data.jsonl"),
+        ours_rss.append(run_child([sys.executable, str(ROOT / "lanpo.py"), "--model", model_dir,
+                                   "--dataset", str(work / "data.jsonl"),
                    "--feedback", "none", "--steps", str(args.steps), "--batch-problems", str(args.batch_problems),
                    "--group-size", str(args.group_size), "--micro-batch", str(n), "--gen-batch", str(n),
                    "--max-new-tokens", str(args.max_new_tokens), "--eval-every", "0", "--lr", "2e-6",

@@ -47,7 +47,8 @@ def fingerprint(model_dir: Path, out_dir: Path, flags: list[str]) -> dict:
         AcceleratorState._reset_state(reset_partial_state=True)
     weights = load_file(str(out_dir / "final" / "model.safetensors"))
     return {"metrics": training_metrics(out_dir),
-            "weights": {k: [v.double().sum().item(), v.double().abs().sum().item()] for k, v in sorted(weights.items())},
+            "weights": {k: [v.double().sum().item(), v.double().abs().sum().item()]
+                        for k, v in sorted(weights.items())},
             "pool": [[t.problem_id, t.kind, t.context, t.response, t.reward, t.step]
                      for ts in pool.trials.values() for t in ts]}
 

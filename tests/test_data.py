@@ -37,7 +37,8 @@ def test_local_jsonl_loads_and_bad_rows_are_named(tmp_path):
     with pytest.raises(SystemExit, match="no column 'problem'"):
         data.load_problems(str(good), "train")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"problem": "ok", "answer": "1"}) + "\n" + json.dumps({"problem": " ", "answer": "2"}) + "\n")
+    bad.write_text(json.dumps({"problem": "ok", "answer": "1"}) + "\n"
+                   + json.dumps({"problem": " ", "answer": "2"}) + "\n")
     with pytest.raises(SystemExit, match=r"bad.jsonl: line 2 has an empty"):
         data.load_problems(str(bad), "train")
     dup = tmp_path / "dup.jsonl"

@@ -21,7 +21,8 @@ out = sys.argv[sys.argv.index("--out-dir") + 1]
 pool.save(f"{{out}}/pool-rank{{PartialState().process_index}}.jsonl")
 """
 
-ARGS = ["--cpu", "--steps", "2", "--batch-problems", "4", "--group-size", "4", "--micro-batch", "4", "--max-new-tokens", "8",
+ARGS = ["--cpu", "--steps", "2", "--batch-problems", "4", "--group-size", "4", "--micro-batch", "4",
+        "--max-new-tokens", "8",
         "--synthetic-size", "4", "--eval-every", "2", "--eval-size", "6", "--relevance-threshold", "0",
         "--abstract-max-tokens", "8", "--feedback", "both", "--report-to", "none", "--lr", "1e-2"]
 

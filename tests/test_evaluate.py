@@ -124,7 +124,8 @@ def test_plot_overlays_runs(tmp_path, monkeypatch):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(
             json.dumps({"step": s, "reward_mean": 0.2 + shift + s / 100, "accuracy": 0.2, "response_len_mean": 30,
-                        "scratch/reward": 0.2, "reflect/reward": 0.3, **({"eval_accuracy": 0.4} if s % 2 else {})}) + "\n"
+                        "scratch/reward": 0.2, "reflect/reward": 0.3,
+                        **({"eval_accuracy": 0.4} if s % 2 else {})}) + "\n"
             for s in range(1, 6)))
     out = plot.main([str(tmp_path / "grpo"), str(tmp_path / "lanpo"), "-o", str(tmp_path / "c.png")])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

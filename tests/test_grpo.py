@@ -17,7 +17,8 @@ def test_group_advantages_by_hand():
     assert torch.allclose(adv[:4], expected) and torch.equal(adv[4:], torch.zeros(4))
     assert torch.allclose(grpo.group_advantages(r, 4, "none"), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
     batch_std = math.sqrt((2 * 0.75**2 + 6 * 0.25**2) / 7)
-    assert torch.allclose(grpo.group_advantages(r, 4, "batch")[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (batch_std + grpo.ADV_EPS))
+    assert torch.allclose(grpo.group_advantages(r, 4, "batch")[:4],
+                          torch.tensor([0.5, -0.5, -0.5, 0.5]) / (batch_std + grpo.ADV_EPS))
     with pytest.raises(ValueError):
         grpo.group_advantages(r, 3)
 
@@ -42,7 +43,8 @@ def test_loss_types_by_hand():
     assert _loss(lp, lp, adv, mask, loss_type="dapo")[0].item() == pytest.approx((-2 + 1.5) / 5)
     assert _loss(lp, lp, adv, mask, loss_type="dr_grpo", max_completion_len=4)[0].item() == pytest.approx(-0.5 / 8)
     # accumulation window: a micro-batch holding seq 1 of the 2-sequence, 5-token window
-    assert _loss(lp[:1], lp[:1], adv[:1], mask[:1], loss_type="dapo", window_tokens=5)[0].item() == pytest.approx(-2 / 5)
+    dapo = _loss(lp[:1], lp[:1], adv[:1], mask[:1], loss_type="dapo", window_tokens=5)[0]
+    assert dapo.item() == pytest.approx(-2 / 5)
     assert _loss(lp[:1], lp[:1], adv[:1], mask[:1], loss_type="grpo", window_seqs=2)[0].item() == pytest.approx(-1 / 2)
 
 
@@ -93,7 +95,8 @@ def test_padding_changes_neither_loss_nor_gradient(loss_type):
         mask = (torch.rand(n, c, generator=g) < 0.7).long()
         mask[:, 0] = 1
         base = torch.randn(n, c, generator=g)
-        old, ref, adv = torch.randn(n, c, generator=g) * 0.1 + base, torch.randn(n, c, generator=g), torch.randn(n, generator=g)
+        old = torch.randn(n, c, generator=g) * 0.1 + base
+        ref, adv = torch.randn(n, c, generator=g), torch.randn(n, generator=g)
         noise = torch.randn(n, c, generator=g) * 5 * (1 - mask)
         results = []
         for lp_values, old_values, ref_values in ((base, old, ref), (base + noise, old - noise, ref + noise)):

@@ -40,7 +40,8 @@ def test_problem_cap_evicts_least_recently_tried():
     pool.add([trial("a", "apples pears", step=2)])  # a is now more recent than b
     pool.add([trial("c", "cats dogs", step=3)])
     assert list(pool.trials) == ["a", "c"]
-    assert pool.similar("boats sails", 5) == [] or all(ts[0].problem_id != "b" for _, ts in pool.similar("boats sails", 5))
+    found = pool.similar("boats sails", 5)
+    assert found == [] or all(ts[0].problem_id != "b" for _, ts in found)
 
 
 def test_similar_ranks_near_duplicate_first_and_excludes_self():
@@ -128,7 +129,8 @@ def test_build_prompts_identical_whatever_the_earlier_rewards(tiny):
         pool.add([trial("p1", problems[0]["problem"], "3 + 4 = 8. \\boxed{8}", reward)])
         built.append([p.text for p in lanpo.build_prompts(tokenizer, problems, pool, {}, cfg)])
     assert built[0] == built[1]
-    assert sum("Earlier attempt" in t for t in built[0]) == 2 and "7" not in built[0][-1].split("Problem:")[-1].replace("3 + 4", "")
+    assert sum("Earlier attempt" in t for t in built[0]) == 2
+    assert "7" not in built[0][-1].split("Problem:")[-1].replace("3 + 4", "")
     cfg.reflect_mode = "with-gold"
     leaky = lanpo.build_prompts(tokenizer, problems, pool, {}, cfg)
     assert "The correct final answer is 7." in leaky[-1].text
@@ -227,10 +229,12 @@ def test_principles_are_cached_and_refreshed(tiny):
     assert (s1.made, s2.made, s2.cached, s3.made) == (1, 0, 1, 1)
     assert abstract.clean_principles("use \\boxed{12} carefully") == "use [answer removed] carefully"
     assert abstract.clean_principles("a \\boxed{\\frac{1}{2}} b \\fbox{3}") == "a [answer removed] b [answer removed]"
-    assert abstract.clean_principles("is \\boxed{128.\nNext line \\boxed{1") == "is [answer removed]\nNext line [answer removed]"
+    assert (abstract.clean_principles("is \\boxed{128.\nNext line \\boxed{1")
+            == "is [answer removed]\nNext line [answer removed]")
     assert abstract.clean_principles("The correct answer is 23. Check 230 and 23.5", ["23", "7"]) == \
         "The correct answer is [answer removed]. Check 230 and 23.5"
-    assert abstract.clean_principles("1. Add 16 apples, not 17", ["16", "1"]) == "1. Add [answer removed] apples, not 17"
+    assert (abstract.clean_principles("1. Add 16 apples, not 17", ["16", "1"])
+            == "1. Add [answer removed] apples, not 17")
 
 
 # ------------------------------------------------------------------------------------------------ end to end

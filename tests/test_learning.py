@@ -2,9 +2,10 @@
 it starts to a high level within a few dozen steps, for plain GRPO under each --loss-type and for LANPO.
 
 The task, learnable by a 2-layer random model in seconds: the reward is the share of the response's
-characters that are digits (the model starts near 0.04; lr 1e-2 takes it past 0.9 in about 30 steps). These tests fail when the sign of the advantage
-in grpo.group_advantages is flipped (checked by hand: the reward then falls towards 0), so they watch the
-sign, the completion mask and the normalisers end to end, not only that the loop runs."""
+characters that are digits (the model starts near 0.04; lr 1e-2 takes it past 0.9 in about 30 steps).
+These tests fail when the sign of the advantage in grpo.group_advantages is flipped (checked by hand: the
+reward then falls towards 0), so they watch the sign, the completion mask and the normalisers end to end,
+not only that the loop runs."""
 
 import json
 

@@ -80,7 +80,8 @@ def test_bad_flags_fail_before_compute(tiny_model_dir, tmp_path):
     with pytest.raises(SystemExit, match="no column"):
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"question": "1+1", "answer": "2"}\n')
-        lanpo.main(lanpo.parse_config(["--model", str(tiny_model_dir), "--dataset", str(bad), "--out-dir", str(tmp_path)]))
+        lanpo.main(lanpo.parse_config(["--model", str(tiny_model_dir), "--dataset", str(bad),
+                                       "--out-dir", str(tmp_path)]))
 
 
 def test_problems_for_step_is_a_seeded_permutation():
