@@ -40,6 +40,7 @@ import pool as pool_lib
 import prompts
 import reflect
 import scoring
+import stats
 from pool import ExperiencePool, Trial
 from rollout import Completion, generate_completions, pack
 
@@ -85,6 +86,8 @@ class Config:
     eval_split: str = _f("test", "split of the eval dataset")
     eval_size: int = _f(64, "eval problems (0 = all)")
     eval_every: int = _f(5, "evaluate every N steps and at the end (0 = never)")
+    eval_at_start: bool = _f(True, "evaluate before the first step too: the run's baseline, so the end of the run "
+                             "can print the held-out gain with its interval (every eval's verdicts: heldout.jsonl)")
     # --- rollouts
     batch_problems: int = _f(8, "B: problems per step")
     group_size: int = _f(4, "G: rollouts per problem (one GRPO group)")
@@ -668,15 +671,40 @@ def reference_logprobs(model, ref_model, ids, attn, cmask, cfg: Config) -> torch
     return grpo.token_logprobs(ref_model, ids, attn, cmask, cfg.micro_batch, cfg.temperature)[0]
 
 
-def evaluate_accuracy(model, tokenizer, rows: list[dict], cfg: Config, eos_ids: list[int],
-                      accelerator) -> dict[str, float]:
+def evaluate_accuracy(run: Run, step: int) -> dict[str, float]:
     """Greedy accuracy on held-out problems from plain prompts (no feedback at test time), through
-    evaluate.py's code path (scoring.evaluate_rows); each process takes every world-th problem."""
-    settings = scoring.EvalSettings.from_config(cfg)
-    mine = rows[accelerator.process_index::accelerator.num_processes]
-    records, _ = scoring.evaluate_rows(model, tokenizer, mine, "zero-shot", settings, eos_ids) if mine else ([], {})
-    summary = scoring.summarize(distributed.gather(records), 1)
-    return {"eval_accuracy": summary["avg@1"], "eval_truncated": summary["truncated"]}
+    evaluate.py's code path (scoring.evaluate_rows), with its 95 % interval; each process takes every
+    world-th problem. The per-problem verdicts go to heldout.jsonl (the paired gain at the end uses them)."""
+    t0 = time.perf_counter()
+    settings = scoring.EvalSettings.from_config(run.cfg)
+    mine = run.eval_rows[run.accelerator.process_index::run.accelerator.num_processes]
+    with run.full_weights():
+        records = scoring.evaluate_rows(run.policy, run.tokenizer, mine, "zero-shot", settings,
+                                        run.eos_ids)[0] if mine else []
+    records = distributed.gather(records)
+    summary = scoring.summarize(records, 1)
+    out = {"eval_accuracy": summary["avg@1"], "eval_accuracy_low": summary["avg@1_low"],
+           "eval_accuracy_high": summary["avg@1_high"], "eval_truncated": summary["truncated"],
+           "time_eval": time.perf_counter() - t0}
+    if run.accelerator.is_main_process:
+        append_metrics(run.out_dir / "heldout.jsonl", {"step": step, "ids": [r["id"] for r in records],
+                                                       "verdicts": [r["verdicts"][0] for r in records]})
+    return out
+
+
+def heldout_gain(out_dir: Path) -> str:
+    """One line: held-out accuracy at the run's first and last evaluation, each with its 95 % interval, and
+    the gain, paired on the same problems (bootstrap interval, p-value); empty with fewer than two evals."""
+    path = out_dir / "heldout.jsonl"
+    evals = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if len(evals) < 2:
+        return ""
+    first, last = evals[0], evals[-1]
+    gain = stats.paired_difference([last["verdicts"]], [first["verdicts"]])
+    return (f"held-out accuracy ({len(first['ids'])} problems, greedy, no feedback): step {first['step']} "
+            f"{stats.fmt(*stats.interval([first['verdicts']]))} -> step {last['step']} "
+            f"{stats.fmt(*stats.interval([last['verdicts']]))}; gain {stats.fmt_diff(gain)} (paired, "
+            f"p {gain['p']:.3f}; 95 % intervals)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -758,8 +786,9 @@ def truncate_metrics(path: Path, done_steps: int) -> None:
     os.replace(tmp, path)
 
 
-RESUMABLE = ("resume", "out_dir", "steps", "save_every", "keep_last", "final_checkpoint", "eval_every", "report_to",
-             "wandb_project", "max_bad_updates")  # settings a resumed run may change: training stays the same
+# settings a resumed run may change: its training stays the same
+RESUMABLE = ("resume", "out_dir", "steps", "save_every", "keep_last", "final_checkpoint", "eval_every",
+             "eval_at_start", "report_to", "wandb_project", "max_bad_updates")
 
 
 def check_out_dir(cfg: Config, out_dir: Path) -> Path | None:
@@ -770,9 +799,9 @@ def check_out_dir(cfg: Config, out_dir: Path) -> Path | None:
         raise SystemExit(f"--out-dir {out_dir} is a file, not a directory: choose another --out-dir")
     found = checkpoint_dirs(out_dir)
     if not cfg.resume:
-        if (out_dir / "metrics.jsonl").exists() or found:
-            raise SystemExit(f"{out_dir} already holds a run (metrics.jsonl or checkpoints): pass --resume to "
-                             "continue it, or choose another --out-dir; nothing there was changed")
+        if (out_dir / "metrics.jsonl").exists() or (out_dir / "heldout.jsonl").exists() or found:
+            raise SystemExit(f"{out_dir} already holds a run (metrics.jsonl, heldout.jsonl or checkpoints): pass "
+                             "--resume to continue it, or choose another --out-dir; nothing there was changed")
         return None
     if not found:
         raise SystemExit(f"--resume: {out_dir} holds no complete checkpoint (checkpoints/step-*): check the "
@@ -968,6 +997,7 @@ def setup(cfg: Config) -> Run:
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     if accelerator.is_main_process:
         truncate_metrics(out_dir / "metrics.jsonl", start_step)
+        truncate_metrics(out_dir / "heldout.jsonl", start_step)
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     wandb_run = start_wandb(cfg, accelerator)
     math_grader.warm_up()
@@ -1058,6 +1088,8 @@ def train(run: Run) -> ExperiencePool:
 
     cfg, accelerator, tokenizer, pool = run.cfg, run.accelerator, run.tokenizer, run.pool
     rank, bad_in_row = accelerator.process_index, 0
+    if run.eval_rows and cfg.eval_at_start and run.start_step == 0:
+        accelerator.print(f"step 0: held-out accuracy {evaluate_accuracy(run, 0)['eval_accuracy']:.3f}")
     progress = tqdm(range(run.start_step, cfg.steps), initial=run.start_step, total=cfg.steps,
                     disable=not accelerator.is_main_process, desc="lanpo")
     for step in progress:
@@ -1109,10 +1141,7 @@ def train(run: Run) -> ExperiencePool:
         # 7. log, evaluate (greedy, plain prompts: no feedback at test time), checkpoint
         record = step_record(run, step, rollouts, all_rewards, batch, update_stats, lesson_stats, timings)
         if run.eval_rows and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            t0 = time.perf_counter()
-            with run.full_weights():
-                record.update(evaluate_accuracy(run.policy, tokenizer, run.eval_rows, cfg, run.eos_ids, accelerator))
-            record["time_eval"] = time.perf_counter() - t0
+            record.update(evaluate_accuracy(run, step + 1))
         record["time_step"] = time.perf_counter() - t_step
         record["memory_peak_gb"] = max(distributed.gather([peak_memory_gb(accelerator.device)]))
         if accelerator.is_main_process:
@@ -1135,6 +1164,8 @@ def finish(run: Run) -> None:
         final = run.out_dir / "final"
         run.policy.save_pretrained(final, state_dict=state_dict)
         run.tokenizer.save_pretrained(final)
+        if gain := heldout_gain(run.out_dir):
+            run.accelerator.print(gain)
         run.accelerator.print(f"done: metrics in {run.out_dir / 'metrics.jsonl'}, model in {final}")
     if run.wandb is not None:
         run.wandb.finish()

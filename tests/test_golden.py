@@ -16,9 +16,10 @@ def test_run_reproduces_its_recorded_fingerprint(tiny_model_dir, tmp_path, name)
     want = json.loads((ROOT / "tests" / "golden" / f"{name}.json").read_text())
     got = fingerprint(tiny_model_dir, tmp_path / name, RUNS[name])
     assert got["pool"] == want["pool"]  # the same prompts kinds, feedback texts, sampled responses, rewards
-    assert [sorted(r) for r in got["metrics"]] == [sorted(r) for r in want["metrics"]]
+    assert len(got["metrics"]) == len(want["metrics"])
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"]), 1):
-        assert g == pytest.approx(w, rel=1e-5, abs=1e-8), f"step {step}"
+        # every recorded metric reproduces (metrics added later, e.g. eval intervals, are not pinned here)
+        assert {k: g.get(k) for k in w} == pytest.approx(w, rel=1e-5, abs=1e-8), f"step {step}"
     assert list(got["weights"]) == list(want["weights"])
     for tensor, sums in want["weights"].items():
         assert got["weights"][tensor] == pytest.approx(sums, rel=1e-5), tensor
