@@ -16,8 +16,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
-import shutil
 import signal
 import threading
 import time
@@ -39,6 +37,7 @@ import models
 import pool as pool_lib
 import prompts
 import reflect
+import rundir
 import scoring
 import stats
 from pool import ExperiencePool, Trial
@@ -657,7 +656,7 @@ def oom_hint(phase: str, remedy: str, out_dir: Path):
     try:
         yield
     except torch.OutOfMemoryError:
-        saved = [p.name for p in checkpoint_dirs(out_dir)]
+        saved = [p.name for p in rundir.checkpoint_dirs(out_dir)]
         raise SystemExit(f"out of memory during {phase}: try {remedy}. Checkpoints so far: {saved or 'none'} "
                          f"(resume with --resume)") from None
 
@@ -687,7 +686,7 @@ def evaluate_accuracy(run: Run, step: int) -> dict[str, float]:
            "eval_accuracy_high": summary["avg@1_high"], "eval_truncated": summary["truncated"],
            "time_eval": time.perf_counter() - t0}
     if run.accelerator.is_main_process:
-        append_metrics(run.out_dir / "heldout.jsonl", {"step": step, "ids": [r["id"] for r in records],
+        rundir.append_metrics(run.out_dir / "heldout.jsonl", {"step": step, "ids": [r["id"] for r in records],
                                                        "verdicts": [r["verdicts"][0] for r in records]})
     return out
 
@@ -708,46 +707,7 @@ def heldout_gain(out_dir: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Checkpoints and logs
-
-
-def checkpoint_dirs(out_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a .tmp dir is a save that was cut short and is ignored)."""
-    root = out_dir / "checkpoints"
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")) if root.exists() else []
-
-
-def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int, pool: ExperiencePool,
-                    lessons_cache: dict, policy, tokenizer) -> Path:
-    """Model, optimizer, scheduler and RNG states via accelerate, the step, the experience pool and the
-    lessons cache; written to a .tmp dir and renamed, so a kill mid-save never shadows the previous good
-    checkpoint. Where the weights are one plain model.safetensors (not LoRA, not sharded), the model config
-    and tokenizer go beside them, so the checkpoint is also a model directory evaluate.py can load."""
-    final = out_dir / "checkpoints" / f"step-{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()  # every process's shards and RNG states are in tmp before the rename
-        if accelerator.is_main_process:
-            (tmp / "lanpo_state.json").write_text(json.dumps({"step": step}))
-            if (tmp / "model.safetensors").exists() and not hasattr(policy, "peft_config"):
-                policy.config.save_pretrained(tmp)
-                tokenizer.save_pretrained(tmp)
-            pool.save(tmp / "pool.jsonl")
-            (tmp / "lessons_cache.json").write_text(json.dumps(lessons_cache))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old in checkpoint_dirs(out_dir)[:-keep_last]:
-                shutil.rmtree(old)
-    except OSError as e:  # disk full, permissions, quota: say where, keep every earlier checkpoint
-        earlier = [p.name for p in checkpoint_dirs(out_dir)]
-        raise SystemExit(f"cannot write checkpoint {tmp}: {e.strerror or e}. Earlier checkpoints are intact: "
-                         f"{earlier or 'none'}") from None
-    accelerator.wait_for_everyone()
-    return final
+# Measurements
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -757,128 +717,6 @@ def peak_memory_gb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def append_metrics(path: Path, record: dict) -> None:
-    """One JSON line, flushed to disk before the next step (a kill can tear only this line)."""
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise SystemExit(f"cannot append to {path}: {e.strerror or e}") from None
-
-
-def truncate_metrics(path: Path, done_steps: int) -> None:
-    """On resume, drop lines of steps after the checkpoint (they run again), so each step appears once."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= done_steps:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError):  # a line torn by the kill that interrupted the run
-            continue
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-
-
-# settings a resumed run may change: its training stays the same
-RESUMABLE = ("resume", "out_dir", "steps", "save_every", "keep_last", "final_checkpoint", "eval_every",
-             "eval_at_start", "report_to", "wandb_project", "max_bad_updates")
-
-
-def check_out_dir(cfg: Config, out_dir: Path) -> Path | None:
-    """The checkpoint to resume from (None: a new run), or an error before anything is written: --out-dir
-    is a file; it holds a run but --resume is missing; --resume finds no checkpoint there; or --resume with
-    settings that differ from the run's config.json and would change its training (each one named)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise SystemExit(f"--out-dir {out_dir} is a file, not a directory: choose another --out-dir")
-    found = checkpoint_dirs(out_dir)
-    if not cfg.resume:
-        if (out_dir / "metrics.jsonl").exists() or (out_dir / "heldout.jsonl").exists() or found:
-            raise SystemExit(f"{out_dir} already holds a run (metrics.jsonl, heldout.jsonl or checkpoints): pass "
-                             "--resume to continue it, or choose another --out-dir; nothing there was changed")
-        return None
-    if not found:
-        raise SystemExit(f"--resume: {out_dir} holds no complete checkpoint (checkpoints/step-*): check the "
-                         "path, or drop --resume to start a new run there")
-    saved_path = out_dir / "config.json"
-    saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
-    changed = [name for name, value in dataclasses.asdict(cfg).items()
-               if name in saved and name not in RESUMABLE and saved[name] != value]
-    if saved.get("steps", cfg.steps) != cfg.steps and cfg.lr_schedule != "constant":
-        changed.append("steps")  # the decay is spread over --steps: more steps change the LR of the rest
-    if changed:
-        raise SystemExit("--resume would change the run: " + ", ".join(
-            f"--{n.replace('_', '-')} {getattr(cfg, n)} (the run has {saved[n]})" for n in changed) +
-            f". Keep the run's settings ({saved_path}) or start a new --out-dir")
-    return found[-1]
-
-
-def wandb_logged_in() -> bool:
-    """An API key in the environment or in ~/.netrc (where `wandb login` puts it)."""
-    import netrc
-    from urllib.parse import urlparse
-
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc().authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def check_wandb(cfg: Config) -> None:
-    """--report-to wandb needs the package and, unless WANDB_MODE says offline, a login: said before the
-    model loads. (auto never stops a run: see start_wandb.)"""
-    if cfg.report_to != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("wandb") is None:
-        raise SystemExit("--report-to wandb, but wandb is not installed: pip install wandb (or --report-to none)")
-    if os.environ.get("WANDB_MODE") != "offline" and not wandb_logged_in():
-        raise SystemExit("--report-to wandb, but wandb has no API key: run `wandb login`, set WANDB_API_KEY, or "
-                         "WANDB_MODE=offline (or --report-to auto, which logs offline)")
-
-
-def start_wandb(cfg: Config, accelerator):
-    """The wandb run, or None. auto: online when logged in, else offline (synced later with `wandb sync`),
-    off when wandb is missing or fails to start; one line says which. WANDB_MODE always wins."""
-    if cfg.report_to == "none" or not accelerator.is_main_process or os.environ.get("WANDB_MODE") == "disabled":
-        return None
-    try:
-        import wandb
-    except ImportError:
-        return None  # check_wandb stopped --report-to wandb already
-    mode = os.environ.get("WANDB_MODE") or ("online" if wandb_logged_in() else "offline")
-    try:
-        run = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), dir=cfg.out_dir,
-                         name=Path(cfg.out_dir).name, resume="allow", mode=mode)
-    except Exception as e:  # noqa: BLE001 - any wandb failure: auto goes on without it, wandb says why
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if cfg.report_to == "wandb":
-            raise SystemExit(f"--report-to wandb: wandb could not start: {reason}") from None
-        accelerator.print(f"wandb: off ({reason}); metrics go to {Path(cfg.out_dir) / 'metrics.jsonl'} only")
-        return None
-    accelerator.print(f"wandb: {mode}" + ("" if mode != "offline" else
-                                          f" (no API key; `wandb sync {Path(cfg.out_dir) / 'wandb'}` uploads it)"))
-    return run
-
-
-def interrupted(out_dir: Path):
-    """SIGINT handler: stop with one line that says what to resume from, instead of a traceback from
-    wherever Ctrl-C landed (a checkpoint cut short is a .tmp dir, never loaded)."""
-    def stop(signum, frame):
-        saved = checkpoint_dirs(out_dir)
-        raise SystemExit(f"interrupted. Continue from {saved[-1]} with the same command plus --resume" if saved
-                         else "interrupted before the first checkpoint (--save-every N writes them): nothing to resume")
-    return stop
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -954,8 +792,8 @@ def setup(cfg: Config) -> Run:
         cfg.dtype == "bf16-mixed" or (cfg.dtype == "auto" and on_gpu)) else "no")
     distributed.check_launch(accelerator, cfg)
     out_dir = Path(cfg.out_dir)
-    resume_from = check_out_dir(cfg, out_dir)
-    check_wandb(cfg)
+    resume_from = rundir.check_out_dir(cfg, out_dir)
+    rundir.check_wandb(cfg)
     models.check_available(cfg.model)
     set_seed(cfg.seed)
     train_rows, eval_rows, skipped = load_rows(cfg)
@@ -970,7 +808,7 @@ def setup(cfg: Config) -> Run:
     if skipped:
         accelerator.print(f"skipped {sum(skipped.values())} bad rows of {cfg.dataset}: {dict(skipped)}")
     out_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run may write
-    previous_sigint = (signal.signal(signal.SIGINT, interrupted(out_dir))
+    previous_sigint = (signal.signal(signal.SIGINT, rundir.interrupted(out_dir))
                        if threading.current_thread() is threading.main_thread() else None)  # only it may
     model = models.load_policy(cfg.model, dtype, cfg.gradient_checkpointing, cfg.lora_rank, cfg.lora_alpha,
                                cfg.lora_targets)
@@ -996,10 +834,10 @@ def setup(cfg: Config) -> Run:
         start_step = json.loads((resume_from / "lanpo_state.json").read_text())["step"]
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     if accelerator.is_main_process:
-        truncate_metrics(out_dir / "metrics.jsonl", start_step)
-        truncate_metrics(out_dir / "heldout.jsonl", start_step)
+        rundir.truncate_metrics(out_dir / "metrics.jsonl", start_step)
+        rundir.truncate_metrics(out_dir / "heldout.jsonl", start_step)
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    wandb_run = start_wandb(cfg, accelerator)
+    wandb_run = rundir.start_wandb(cfg, accelerator)
     math_grader.warm_up()
 
     # the experience pool (filled under every --feedback, so a GRPO run's pool can be used later)
@@ -1044,7 +882,7 @@ def stop_after_bad_updates(bad_in_row: int, update_stats: dict, step: int, run: 
     if bad_in_row >= run.cfg.max_bad_updates:
         raise SystemExit(f"{bad_in_row} optimizer updates in a row had a non-finite loss or gradient (step "
                          f"{step + 1}); none was applied. Lower --lr or --max-grad-norm, or check the data. "
-                         f"Checkpoints so far: {[p.name for p in checkpoint_dirs(run.out_dir)]}")
+                         f"Checkpoints so far: {[p.name for p in rundir.checkpoint_dirs(run.out_dir)]}")
     return bad_in_row
 
 
@@ -1145,14 +983,14 @@ def train(run: Run) -> ExperiencePool:
         record["time_step"] = time.perf_counter() - t_step
         record["memory_peak_gb"] = max(distributed.gather([peak_memory_gb(accelerator.device)]))
         if accelerator.is_main_process:
-            append_metrics(run.out_dir / "metrics.jsonl", record)
+            rundir.append_metrics(run.out_dir / "metrics.jsonl", record)
             if run.wandb is not None:
                 run.wandb.log(record, step=step + 1)
             progress.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.0f}")
         # after the metrics line: a kill between the two re-runs this step, never loses its line
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or (step + 1 == cfg.steps and cfg.final_checkpoint):
-            save_checkpoint(accelerator, run.out_dir, step + 1, cfg.keep_last, pool, run.lessons_cache, run.policy,
-                            tokenizer)
+            rundir.save_checkpoint(accelerator, run.out_dir, step + 1, cfg.keep_last, pool, run.lessons_cache,
+                                   run.policy, tokenizer)
     finish(run)
     return pool
 

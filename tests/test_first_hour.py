@@ -22,6 +22,7 @@ import data
 import evaluate
 import lanpo
 import models
+import rundir
 
 
 @pytest.fixture
@@ -177,10 +178,10 @@ def test_wandb_auto_never_stops_a_run(monkeypatch, tmp_path, capsys):
     acc = types.SimpleNamespace(is_main_process=True, print=print)
     cfg = lanpo.parse_config(["--out-dir", str(tmp_path / "run")])  # --report-to auto
     modes = _fake_wandb(monkeypatch, fail_when=lambda mode: mode != "offline")
-    assert lanpo.start_wandb(cfg, acc) is not None and modes == ["offline"]
+    assert rundir.start_wandb(cfg, acc) is not None and modes == ["offline"]
     assert "wandb: offline (no API key; `wandb sync" in capsys.readouterr().out
     _fake_wandb(monkeypatch, fail_when=lambda mode: True)
-    assert lanpo.start_wandb(cfg, acc) is None
+    assert rundir.start_wandb(cfg, acc) is None
     assert "wandb: off (No API key configured. Use `wandb login` to log in.)" in capsys.readouterr().out
 
 

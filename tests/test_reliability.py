@@ -24,14 +24,14 @@ RUNNER = """
 import sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-import math_grader, lanpo
+import math_grader, lanpo, rundir
 from conftest import fake_grade
 math_grader.grade = fake_grade  # the tiny random model never answers right: reward length parity
 if "--slow" in sys.argv:  # leave time after each step's metrics line, so a kill lands inside the run
     import time
     sys.argv.remove("--slow")
-    write = lanpo.append_metrics
-    lanpo.append_metrics = lambda path, record: (write(path, record), time.sleep(0.3))
+    write = rundir.append_metrics
+    rundir.append_metrics = lambda path, record: (write(path, record), time.sleep(0.3))
 lanpo.main(lanpo.parse_config(sys.argv[1:]))
 """
 

@@ -8,6 +8,7 @@ import torch
 from conftest import ROOT
 
 import lanpo
+import rundir
 
 
 def documented_metric_keys() -> set[str]:
@@ -95,7 +96,7 @@ def test_problems_for_step_is_a_seeded_permutation():
 def test_resume_drops_rerun_and_torn_metric_lines(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a": 3}\n{"step": 4, "a"')
-    lanpo.truncate_metrics(path, 2)
+    rundir.truncate_metrics(path, 2)
     assert path.read_text() == '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
 
 

@@ -1,0 +1,176 @@
+"""The run directory: what is in it decides whether a run may start (a used --out-dir is refused; --resume
+must not change the training), checkpoints written atomically, metrics and held-out lines appended one at
+a time and cut back on resume, wandb started or explained, and Ctrl-C turned into a line naming what to
+resume from. Nothing already written is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+from pool import ExperiencePool
+
+
+def checkpoint_dirs(out_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a .tmp dir is a save that was cut short and is ignored)."""
+    root = out_dir / "checkpoints"
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")) if root.exists() else []
+
+
+def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int, pool: ExperiencePool,
+                    lessons_cache: dict, policy, tokenizer) -> Path:
+    """Model, optimizer, scheduler and RNG states via accelerate, the step, the experience pool and the
+    lessons cache; written to a .tmp dir and renamed, so a kill mid-save never shadows the previous good
+    checkpoint. Where the weights are one plain model.safetensors (not LoRA, not sharded), the model config
+    and tokenizer go beside them, so the checkpoint is also a model directory evaluate.py can load."""
+    final = out_dir / "checkpoints" / f"step-{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()  # every process's shards and RNG states are in tmp before the rename
+        if accelerator.is_main_process:
+            (tmp / "lanpo_state.json").write_text(json.dumps({"step": step}))
+            if (tmp / "model.safetensors").exists() and not hasattr(policy, "peft_config"):
+                policy.config.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+            pool.save(tmp / "pool.jsonl")
+            (tmp / "lessons_cache.json").write_text(json.dumps(lessons_cache))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in checkpoint_dirs(out_dir)[:-keep_last]:
+                shutil.rmtree(old)
+    except OSError as e:  # disk full, permissions, quota: say where, keep every earlier checkpoint
+        earlier = [p.name for p in checkpoint_dirs(out_dir)]
+        raise SystemExit(f"cannot write checkpoint {tmp}: {e.strerror or e}. Earlier checkpoints are intact: "
+                         f"{earlier or 'none'}") from None
+    accelerator.wait_for_everyone()
+    return final
+
+
+def append_metrics(path: Path, record: dict) -> None:
+    """One JSON line, flushed to disk before the next step (a kill can tear only this line)."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise SystemExit(f"cannot append to {path}: {e.strerror or e}") from None
+
+
+def truncate_metrics(path: Path, done_steps: int) -> None:
+    """On resume, drop lines of steps after the checkpoint (they run again), so each step appears once."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= done_steps:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):  # a line torn by the kill that interrupted the run
+            continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+# settings a resumed run may change: its training stays the same
+RESUMABLE = ("resume", "out_dir", "steps", "save_every", "keep_last", "final_checkpoint", "eval_every",
+             "eval_at_start", "report_to", "wandb_project", "max_bad_updates")
+
+
+def check_out_dir(cfg, out_dir: Path) -> Path | None:
+    """The checkpoint to resume from (None: a new run), or an error before anything is written: --out-dir
+    is a file; it holds a run but --resume is missing; --resume finds no checkpoint there; or --resume with
+    settings that differ from the run's config.json and would change its training (each one named)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"--out-dir {out_dir} is a file, not a directory: choose another --out-dir")
+    found = checkpoint_dirs(out_dir)
+    if not cfg.resume:
+        if (out_dir / "metrics.jsonl").exists() or (out_dir / "heldout.jsonl").exists() or found:
+            raise SystemExit(f"{out_dir} already holds a run (metrics.jsonl, heldout.jsonl or checkpoints): pass "
+                             "--resume to continue it, or choose another --out-dir; nothing there was changed")
+        return None
+    if not found:
+        raise SystemExit(f"--resume: {out_dir} holds no complete checkpoint (checkpoints/step-*): check the "
+                         "path, or drop --resume to start a new run there")
+    saved_path = out_dir / "config.json"
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
+    changed = [name for name, value in dataclasses.asdict(cfg).items()
+               if name in saved and name not in RESUMABLE and saved[name] != value]
+    if saved.get("steps", cfg.steps) != cfg.steps and cfg.lr_schedule != "constant":
+        changed.append("steps")  # the decay is spread over --steps: more steps change the LR of the rest
+    if changed:
+        raise SystemExit("--resume would change the run: " + ", ".join(
+            f"--{n.replace('_', '-')} {getattr(cfg, n)} (the run has {saved[n]})" for n in changed) +
+            f". Keep the run's settings ({saved_path}) or start a new --out-dir")
+    return found[-1]
+
+
+def wandb_logged_in() -> bool:
+    """An API key in the environment or in ~/.netrc (where `wandb login` puts it)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def check_wandb(cfg) -> None:
+    """--report-to wandb needs the package and, unless WANDB_MODE says offline, a login: said before the
+    model loads. (auto never stops a run: see start_wandb.)"""
+    if cfg.report_to != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise SystemExit("--report-to wandb, but wandb is not installed: pip install wandb (or --report-to none)")
+    if os.environ.get("WANDB_MODE") != "offline" and not wandb_logged_in():
+        raise SystemExit("--report-to wandb, but wandb has no API key: run `wandb login`, set WANDB_API_KEY, or "
+                         "WANDB_MODE=offline (or --report-to auto, which logs offline)")
+
+
+def start_wandb(cfg, accelerator):
+    """The wandb run, or None. auto: online when logged in, else offline (synced later with `wandb sync`),
+    off when wandb is missing or fails to start; one line says which. WANDB_MODE always wins."""
+    if cfg.report_to == "none" or not accelerator.is_main_process or os.environ.get("WANDB_MODE") == "disabled":
+        return None
+    try:
+        import wandb
+    except ImportError:
+        return None  # check_wandb stopped --report-to wandb already
+    mode = os.environ.get("WANDB_MODE") or ("online" if wandb_logged_in() else "offline")
+    try:
+        run = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), dir=cfg.out_dir,
+                         name=Path(cfg.out_dir).name, resume="allow", mode=mode)
+    except Exception as e:  # noqa: BLE001 - any wandb failure: auto goes on without it, wandb says why
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if cfg.report_to == "wandb":
+            raise SystemExit(f"--report-to wandb: wandb could not start: {reason}") from None
+        accelerator.print(f"wandb: off ({reason}); metrics go to {Path(cfg.out_dir) / 'metrics.jsonl'} only")
+        return None
+    accelerator.print(f"wandb: {mode}" + ("" if mode != "offline" else
+                                          f" (no API key; `wandb sync {Path(cfg.out_dir) / 'wandb'}` uploads it)"))
+    return run
+
+
+def interrupted(out_dir: Path):
+    """SIGINT handler: stop with one line that says what to resume from, instead of a traceback from
+    wherever Ctrl-C landed (a checkpoint cut short is a .tmp dir, never loaded)."""
+    def stop(signum, frame):
+        saved = checkpoint_dirs(out_dir)
+        raise SystemExit(f"interrupted. Continue from {saved[-1]} with the same command plus --resume" if saved
+                         else "interrupted before the first checkpoint (--save-every N writes them): nothing to resume")
+    return stop
