@@ -4,8 +4,10 @@ lessons from similar problems) guiding exploration. One readable script: config,
     python lanpo.py                                # embedded SmolLM2-135M on built-in arithmetic, CPU
     accelerate launch lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl ...
 
-Read top to bottom: Config -> setup (model, data, optimizer) -> for each step: pick problems, build
-prompts, sample G rollouts each, grade, group advantages, clipped policy update, log, eval, checkpoint.
+Read top to bottom: Config and its checks -> the steps of the algorithm -> the policy update (micro-batches,
+loss terms) -> setup() (data, model, optimizer, pool) -> train(), whose loop is the step: pick problems, build
+prompts, sample G rollouts each, grade, group advantages, policy update, remember, log/eval/checkpoint.
+Multi-process concerns live in distributed.py, the run directory in rundir.py, prompt texts in prompts.py.
 """
 
 from __future__ import annotations
@@ -314,10 +316,12 @@ def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons
         can_abstract = problem["id"] in lessons and cfg.feedback in ("inter", "both")
         by_kind = {"scratch": (plain, "")}  # each kind's prompt is built once per problem, then shared by its slots
         if "reflect" in kinds or (teach and can_reflect):
+            # labels reach the call only in the leaky ablations: reward-agnostic reflection never sees them
+            labels = ({} if cfg.reflect_mode == "agnostic" else
+                      {"mode": cfg.reflect_mode, "rewards": [t.reward for t in earlier], "gold": problem["answer"]})
             by_kind["reflect"] = reflect.reflection_prompt(
                 tokenizer, problem["problem"], [t.response for t in earlier], attempt_tokens=cfg.attempt_tokens,
-                one_shot=cfg.one_shot, mode=cfg.reflect_mode, rewards=[t.reward for t in earlier],
-                gold=problem["answer"])
+                one_shot=cfg.one_shot, **labels)
         if "abstract" in kinds or (teach and can_abstract):
             context = lessons[problem["id"]]
             request = prompts.abstraction_request(problem["problem"], context, raw=cfg.inter_mode == "raw")
@@ -352,10 +356,11 @@ class UpdateBatch:
     """What the policy update trains on: one entry per rollout kept (see `update_batch`)."""
     completions: list[Completion]                  # the prompt each is trained on, and its completion
     advantages: torch.Tensor
-    behaviour: list[Completion | None] | None      # the same rollout on the prompt it was sampled with, where
-    teachers: list[Completion | None] | None       # that differs; on its self-distillation teacher's prompt
+    behaviour: list[Completion | None] | None      # each on the prompt it was sampled with (None: the same)
+    teachers: list[Completion | None] | None       # each on its self-distillation teacher's prompt (None: none)
     feedback_texts: list[tuple[Completion, float]]  # RLTF-FM targets with weight 1 (0: padding)
     window: dict[str, float]                       # loss normalisers of the whole batch (all processes)
+    modelled_texts: float = 0.0                    # RLTF-FM targets over all processes (logged)
 
 
 def feedback_model_texts(tokenizer, problems: list[dict], lessons: dict[str, str], completions: list[Completion],
@@ -407,23 +412,22 @@ def update_batch(tokenizer, r: Rollouts, group_problems: list[dict], lessons: di
         "teacher_tokens": sum(len(c.completion_ids) for c in teachers or [] if c is not None),
         "feedback_tokens": sum(len(c.completion_ids) for c in texts), "feedback_texts": len(texts)})
     window = {name: total[name] / world for name in ("seqs", "tokens", "teacher_tokens", "feedback_tokens")}
-    window["feedback_texts"] = float(total["feedback_texts"])  # logged, not a normaliser
     if not window["teacher_tokens"]:
         teachers = None  # no teacher on any process this step: no teacher forward passes
     padding = most["feedback_texts"] - len(texts)
     weighted = [(c, 1.0) for c in texts] + [((texts or r.completions)[0], 0.0)] * padding
-    return UpdateBatch(train_on, advantages, behaviour, teachers, weighted, window)
+    return UpdateBatch(train_on, advantages, behaviour, teachers, weighted, window, float(total["feedback_texts"]))
 
 
 def grade_all(completions: list[Completion], answers: list[str]) -> torch.Tensor:
     return torch.tensor(math_grader.grade_batch([c.text for c in completions], answers))
 
 
-def step_advantages(r_kinds: list[str], all_rewards: torch.Tensor, cfg: Config, accelerator) -> torch.Tensor:
+def step_advantages(kinds: list[str], all_rewards: torch.Tensor, cfg: Config, accelerator) -> torch.Tensor:
     """This process's slice of the group-relative advantages over every process's groups (RLTF-SD under
     --feedback-grad distill: each group against its from-scratch rollouts only)."""
     if cfg.feedback_grad == "distill":
-        from_scratch = torch.tensor([k == "scratch" for k in distributed.gather(r_kinds)])
+        from_scratch = torch.tensor([k == "scratch" for k in distributed.gather(kinds)])
         advantages = distill.first_turn_advantages(all_rewards, from_scratch, cfg.group_size, cfg.adv_scale)
     else:
         advantages = grpo.group_advantages(all_rewards, cfg.group_size, cfg.adv_scale)
@@ -464,15 +468,15 @@ class Forward:
 def micro_batches(model, ref_model, b: UpdateBatch, cfg: Config, pad_id: int, device) -> list[MicroBatch]:
     """The batch in micro-batches, sorted by length so they pad little (the loss, a sum over the batch,
     does not depend on order), with the log-probs that stay fixed through the update computed once."""
-    done = b.completions
-    order = sorted(range(len(done)), key=lambda i: len(done[i].prompt_ids) + len(done[i].completion_ids))
+    rows = b.completions
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i].prompt_ids) + len(rows[i].completion_ids))
     out = []
     for start in range(0, len(order), cfg.micro_batch):
         idx = order[start:start + cfg.micro_batch]
-        mb = MicroBatch(*pack([done[i] for i in idx], pad_id, device), advantages=b.advantages[idx].to(device))
+        mb = MicroBatch(*pack([rows[i] for i in idx], pad_id, device), advantages=b.advantages[idx].to(device))
         with torch.no_grad():
             if b.behaviour is not None:  # the same rows, on the prompt each was sampled with
-                sampled = pack([done[i] if b.behaviour[i] is None else b.behaviour[i] for i in idx], pad_id, device)
+                sampled = pack([rows[i] if b.behaviour[i] is None else b.behaviour[i] for i in idx], pad_id, device)
                 mb.sampling_logps = grpo.token_logprobs(model, *sampled, cfg.micro_batch, cfg.temperature)[0]
                 mb.off_policy = torch.tensor([b.behaviour[i] is not None for i in idx], device=device)
             if cfg.feedback_grad == "strip" and b.behaviour is not None:
@@ -483,7 +487,7 @@ def micro_batches(model, ref_model, b: UpdateBatch, cfg: Config, pad_id: int, de
             if cfg.beta > 0:
                 mb.ref_logps = reference_logprobs(model, ref_model, mb.ids, mb.attn, mb.cmask, cfg)
         if b.teachers is not None:
-            mb.teacher_inputs = pack([done[i] if b.teachers[i] is None else b.teachers[i] for i in idx],
+            mb.teacher_inputs = pack([rows[i] if b.teachers[i] is None else b.teachers[i] for i in idx],
                                      pad_id, device)[:2]
             mb.has_teacher = torch.tensor([b.teachers[i] is not None for i in idx], device=device)
         out.append(mb)
@@ -910,7 +914,7 @@ def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: 
     if cfg.self_distill_coef > 0:
         record["self_distill_tokens"] = b.window["teacher_tokens"] * run.accelerator.num_processes
     if cfg.feedback_model_coef > 0:
-        record["feedback_model_texts"] = b.window["feedback_texts"]
+        record["feedback_model_texts"] = b.modelled_texts
     record.update(kind_metrics([k for k, _, _, _ in per_rollout], all_rewards, lengths))
     record.update(feedback_metrics(lesson_stats, run.pool, [n for _, _, _, n in per_rollout]))
     return record

@@ -113,7 +113,8 @@ def test_reflection_prompt_leaks_no_label(problem, attempts, gold, rewards):
     for piece in [problem, *attempts]:
         template = template.replace(piece, "", 1) if piece else template
     assert not LABEL_WORDS.search(template), template  # our own wording carries no verdict
-    if gold not in problem and not any(gold in a for a in attempts):
+    # a gold answer found nowhere in the inputs or in our wording (e.g. "1" of "Earlier attempt 1") is not in it
+    if gold not in problem and not any(gold in a for a in attempts) and gold not in template:
         assert gold not in request
     leaky = prompts.leaky_reflection_request(problem, attempts, "with-reward", rewards[:len(attempts)], gold)
     assert re.search(r"\b(in)?correct\b", leaky)  # the ablation does leak: it exists to be measured
