@@ -6,7 +6,7 @@ Reported per arm: accuracy and its gain over the base model with 95 % intervals 
 seeds, then problems within a seed), and each arm minus the first arm, paired on the same problems, with
 its interval and p-value. Per-problem verdicts are kept, so any other comparison can be made later.
 
-    python bench/learning.py                          # GRPO vs LANPO, 3 seeds, 8 steps, 256 held-out (~80 min)
+    python bench/learning.py                          # GRPO vs LANPO, 3 seeds, 8 steps, 256 held-out (~1 h)
     python bench/learning.py --seeds 0 --steps 2 --eval-size 32 --out-dir runs/bench/smoke   # smoke run
 An interrupted benchmark continues where it stopped when run again with the same --out-dir: finished
 runs are kept (their verdicts.json), nothing is run twice.
