@@ -36,13 +36,18 @@ def bootstrap_means(groups: list[list[float]] | list[np.ndarray], resamples: int
     return total / count
 
 
-def interval(groups, level: float = 0.95, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
-    """(mean, low, high): the mean score and its percentile-bootstrap interval."""
-    arrays = [np.asarray(g, dtype=np.float64) for g in groups]
+def _percentile_interval(arrays: list[np.ndarray], level: float, resamples: int,
+                         seed: int) -> tuple[float, float, float, np.ndarray]:
+    """(mean, low, high, the bootstrap replicates of the mean) over all scores of all groups."""
     means = bootstrap_means(arrays, resamples, seed)
     tail = (1 - level) / 2
     low, high = np.quantile(means, [tail, 1 - tail])
-    return float(np.concatenate(arrays).mean()), float(low), float(high)
+    return float(np.concatenate(arrays).mean()), float(low), float(high), means
+
+
+def interval(groups, level: float = 0.95, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high): the mean score and its percentile-bootstrap interval."""
+    return _percentile_interval([np.asarray(g, dtype=np.float64) for g in groups], level, resamples, seed)[:3]
 
 
 def paired_difference(a_groups, b_groups, level: float = 0.95, resamples: int = RESAMPLES,
@@ -57,11 +62,9 @@ def paired_difference(a_groups, b_groups, level: float = 0.95, resamples: int = 
             raise ValueError(f"group {g}: {a.size} scores in A but {b.size} in B; a paired comparison needs "
                              "the same problems on both sides")
         diffs.append(a - b)
-    means = bootstrap_means(diffs, resamples, seed)
-    tail = (1 - level) / 2
-    low, high = np.quantile(means, [tail, 1 - tail])
+    diff, low, high, means = _percentile_interval(diffs, level, resamples, seed)
     p = min(1.0, 2 * min(np.mean(means <= 0), np.mean(means >= 0)))
-    return {"diff": float(np.concatenate(diffs).mean()), "low": float(low), "high": float(high), "p": float(p)}
+    return {"diff": diff, "low": low, "high": high, "p": float(p)}
 
 
 def fmt(mean: float, low: float, high: float) -> str:

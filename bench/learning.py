@@ -111,21 +111,21 @@ def main() -> None:
                   f"{sum(final[name][seed]['verdicts']) / len(rows):.3f}", flush=True)
 
     seeds = args.seeds
+    summary = {"base": stats.interval([base[s] for s in seeds]), "arms": {}}
     lines = [f"held-out greedy accuracy, {args.eval_size} problems x {len(seeds)} seeds, {args.steps} steps, "
              f"lr {args.lr}; 95 % intervals: bootstrap over seeds, then problems",
              "", "| arm | accuracy | gain over base | vs " + args.arms[0] + " (paired) | p | train min/run |",
              "|---|---|---|---|---|---|",
-             f"| base | {stats.fmt(*stats.interval([base[s] for s in seeds]))} | | | | |"]
-    summary = {"base": stats.interval([base[s] for s in seeds]), "arms": {}}
+             f"| base | {stats.fmt(*summary['base'])} | | | | |"]
     for name in args.arms:
         ends = [final[name][s]["verdicts"] for s in seeds]
         gain = stats.paired_difference(ends, [base[s] for s in seeds])
         versus = stats.paired_difference(ends, [final[args.arms[0]][s]["verdicts"] for s in seeds])
         minutes = sum(final[name][s]["train_s"] for s in seeds) / len(seeds) / 60
-        summary["arms"][name] = {"accuracy": stats.interval(ends), "gain": gain, "vs_first": versus,
-                                 "train_minutes": minutes}
+        accuracy = stats.interval(ends)
+        summary["arms"][name] = {"accuracy": accuracy, "gain": gain, "vs_first": versus, "train_minutes": minutes}
         vs, p = ("", "") if name == args.arms[0] else (stats.fmt_diff(versus), f"{versus['p']:.3f}")
-        lines.append(f"| {name} | {stats.fmt(*stats.interval(ends))} | {stats.fmt_diff(gain)} (p {gain['p']:.3f}) "
+        lines.append(f"| {name} | {stats.fmt(*accuracy)} | {stats.fmt_diff(gain)} (p {gain['p']:.3f}) "
                      f"| {vs} | {p} | {minutes:.1f} |")
     png = plot.plot(curves, out / "learning.png")
     table = "\n".join(lines) + f"\n\ncurves (mean over seeds, band = min..max): {png}\n"
