@@ -135,6 +135,11 @@ def test_plot_overlays_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(plot, "plot", lambda runs, out: seen.update(runs) or Path(out))
     plot.main([str(tmp_path / "grpo"), f"grpo-2={tmp_path / 'lanpo'}", "-o", str(tmp_path / "d.png")])
     assert list(seen) == ["grpo", "grpo-2"] and seen["grpo-2"][0][0]["reward_mean"] == pytest.approx(0.31)
+    seen.clear()  # the same NAME= twice: two seeds of one arm
+    plot.main([f"arm={tmp_path / 'grpo'}", f"arm={tmp_path / 'lanpo'}", "-o", str(tmp_path / "e.png")])
+    assert list(seen) == ["arm"] and [r[0]["reward_mean"] for r in seen["arm"]] == pytest.approx([0.21, 0.31])
+    with pytest.raises(SystemExit, match="'grpo' already names an unlabelled run"):
+        plot.main([str(tmp_path / "grpo"), f"grpo={tmp_path / 'lanpo'}"])
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "metrics.jsonl").write_text("{not json\n")
     with pytest.raises(SystemExit, match="line 1 is not JSON"):
