@@ -1,7 +1,7 @@
 """Step time and peak memory: lanpo.py (plain GRPO) against TRL's GRPOTrainer on an identical configuration:
 the embedded SmolLM2-135M on CPU, the same synthetic:arith problems and one-shot chat prompt, the same
-reward (math_grader.grade), B problems x G samples, max_new_tokens, one policy epoch, beta = 0, the
-`grpo` loss, group-std advantages, no gradient checkpointing, fp32. Runs alternate (ours, TRL, ours, TRL,
+reward (math_grader.grade), B problems x G samples, max_new_tokens, one policy epoch, constant LR, beta = 0,
+the `grpo` loss, group-std advantages, no gradient checkpointing, fp32. Runs alternate (ours, TRL, ours, TRL,
 ...) in fresh processes; the first step of every run is warm-up and not counted. Prints every timed step
 of each side, the medians with min-max, the ratio of medians with a 95 % bootstrap interval (steps
 resampled), lanpo's time split (generate / grade / log-probs / update) and each side's peak memory.
@@ -39,28 +39,36 @@ args = json.loads(sys.argv[1])
 rows = [json.loads(line) for line in open(args["data"])]
 shot = list(prompts.ONE_SHOT)
 dataset = Dataset.from_list([{{"prompt": shot + [{{"role": "user", "content": prompts.problem_request(r["problem"])}}],
-                              "answer": r["answer"]}} for r in rows])
+                              "answer": r["answer"], "id": r["id"]}} for r in rows])
 
-def reward(completions, answer, **kwargs):
+seen_ids = []  # problem ids of each step's groups, in order (one entry per rollout)
+def reward(completions, answer, id, **kwargs):
+    seen_ids.append(list(id))
     return [math_grader.grade(c[0]["content"], a) for c, a in zip(completions, answer)]
 
-times = []
-class Timer(TrainerCallback):
+times, records = [], []
+class Recorder(TrainerCallback):
     def on_step_begin(self, *a, **k): self.t = time.perf_counter()
     def on_step_end(self, *a, **k): times.append(time.perf_counter() - self.t)
+    def on_log(self, args, state, control, logs=None, **k):
+        if logs and "reward" in logs:  # lanpo's metrics.jsonl names, so plot.py draws both
+            records.append({{"step": state.global_step, "reward_mean": logs["reward"],
+                            "response_len_mean": logs["completions/mean_length"]}})
 
 n = args["batch_problems"] * args["group_size"]
 config = GRPOConfig(output_dir=args["out"], per_device_train_batch_size=n, num_generations=args["group_size"],
                     gradient_accumulation_steps=1, max_completion_length=args["max_new_tokens"],
-                    max_steps=args["steps"], learning_rate=2e-6, beta=0.0, loss_type="grpo", num_iterations=1,
+                    max_steps=args["steps"], learning_rate=args["lr"], lr_scheduler_type="constant", beta=0.0,
+                    loss_type="grpo", num_iterations=1,
                     temperature=1.0, top_p=1.0, top_k=0, epsilon=0.2, scale_rewards="group", use_cpu=True,
                     gradient_checkpointing=False, bf16=False, report_to="none", save_strategy="no",
-                    logging_steps=1, seed=args["seed"], disable_dropout=True)
+                    logging_steps=1, seed=args["seed"], disable_dropout=True,
+                    shuffle_dataset=args["shuffle"])
 math_grader.warm_up()
 trainer = GRPOTrainer(model=args["model"], reward_funcs=[reward], args=config, train_dataset=dataset)
-trainer.add_callback(Timer())
+trainer.add_callback(Recorder())
 trainer.train()
-json.dump({{"step_times": times}}, open(args["result"], "w"))
+json.dump({{"step_times": times, "records": records, "seen_ids": seen_ids}}, open(args["result"], "w"))
 '''
 
 
@@ -119,7 +127,8 @@ def main() -> None:
             ours_split.setdefault(key, []).extend(r[key] for r in records)
         spec = {"root": str(ROOT), "data": str(work / "data.jsonl"), "model": model_dir, "steps": args.steps,
                 "batch_problems": args.batch_problems, "group_size": args.group_size,
-                "max_new_tokens": args.max_new_tokens, "seed": 0, "out": str(work / f"trl-{r}"),
+                "max_new_tokens": args.max_new_tokens, "seed": 0, "lr": 2e-6, "shuffle": True,
+                "out": str(work / f"trl-{r}"),
                 "result": str(work / f"trl-{r}.json")}
         script = work / "trl_run.py"
         script.write_text(TRL_RUN.format(root=str(ROOT)))
