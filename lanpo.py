@@ -96,6 +96,8 @@ class Config:
     temperature: float = _f(1.0, "sampling temperature; log-probs are taken at the same temperature")
     top_p: float = _f(1.0, "nucleus sampling (1 = off; <1 makes sampling differ from the trained distribution)")
     gen_batch: int = _f(64, "prompts per generate call")
+    share_prefill: bool = _f(True, "encode a prompt repeated within a generate call (a group's G samples) once and "
+                             "copy its KV cache to its rows; the same distribution, less prefill compute")
     # --- policy optimisation
     lr: float = _f(2e-6, "AdamW learning rate")
     lr_schedule: str = _f("constant", "constant, linear or cosine decay after warmup",
@@ -951,7 +953,7 @@ def train(run: Run) -> ExperiencePool:
             completions = generate_completions(run.policy, tokenizer, [p.text for p in rollout_prompts],
                                                eos_ids=run.eos_ids, max_new_tokens=cfg.max_new_tokens,
                                                temperature=cfg.temperature, top_p=cfg.top_p,
-                                               batch_size=cfg.gen_batch)
+                                               batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill)
         timings = {"time_generate": time.perf_counter() - t0}
 
         # 3. grade against the gold answers (numerical reward; feedback never changes it)

@@ -5,11 +5,12 @@ Shared by training, evaluation and abstraction, so every path samples and scores
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
-from grpo import completion_mask
+from grpo import completion_mask, position_ids
 
 
 @dataclass
@@ -20,31 +21,72 @@ class Completion:
     text: str                     # decoded completion, special tokens dropped
 
 
+def _cache_kwarg() -> str:
+    """The name generate() and forward() take a KV cache under: `cache` in newer transformers, where
+    `past_key_values` is deprecated; `past_key_values` before."""
+    from transformers import GenerationMixin
+    return "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
+        else "past_key_values"
+
+
+@torch.no_grad()
+def shared_prefill(model, enc, rows: list[int]):
+    """Prefill each distinct prompt once and copy its KV cache to every row that repeats it.
+
+    `enc` holds the distinct prompts (left-padded); `rows[i]` is the distinct prompt of output row i. All
+    but the last token are prefilled, so generate() still runs the last prompt token itself and samples
+    the first completion token from logits it computed, exactly as without a cache. Positions count real
+    tokens only, as generate() numbers them."""
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    mask = enc.attention_mask[:, :-1]
+    model(input_ids=enc.input_ids[:, :-1], attention_mask=mask, position_ids=position_ids(mask),
+          use_cache=True, logits_to_keep=1, **{_cache_kwarg(): cache})
+    cache.batch_select_indices(torch.tensor(rows, device=enc.input_ids.device))
+    return cache
+
+
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[int], max_new_tokens: int,
                          temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                         batch_size: int = 64) -> list[Completion]:
+                         batch_size: int = 64, share_prefill: bool = True) -> list[Completion]:
     """One completion per prompt (repeat a prompt G times for G samples), in batched generate calls of
-    `batch_size` prompts, left-padded. Sampling draws from torch's global RNG: seed it for reproducibility."""
+    `batch_size` prompts, left-padded. Sampling draws from torch's global RNG: seed it for reproducibility.
+
+    share_prefill: a prompt repeated within a call (the G samples of a group) is encoded once and its KV
+    cache copied to its rows (`shared_prefill`), instead of being encoded once per row. The sampled
+    distribution is the same; the logits may differ in the last float bits, as with any change of batch
+    shape."""
     was_training = model.training
     model.eval()
     results: list[Completion] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        distinct = list(dict.fromkeys(chunk))
+        shared = share_prefill and len(distinct) < len(chunk)
+        enc = tokenizer(distinct if shared else chunk, return_tensors="pt", padding=True,
+                        add_special_tokens=False).to(model.device)
+        cache = {}
+        if shared:
+            position = {text: i for i, text in enumerate(distinct)}
+            rows = [position[text] for text in chunk]
+            cache = {_cache_kwarg(): shared_prefill(model, enc, rows)}
+            index = torch.tensor(rows, device=enc.input_ids.device)
+            enc = {"input_ids": enc.input_ids[index], "attention_mask": enc.attention_mask[index]}
+        input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature,
                                                         "top_p": top_p, "top_k": 0}
         # top_k=0 and repetition_penalty=1 override generation_config defaults (top_k=50; Qwen-Instruct's
         # 1.05 penalty) that would make the sampled distribution differ from the one we score and train.
-        out = model.generate(**enc, **sampling, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
-                             pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                             repetition_penalty=1.0)
-        generated = out[:, enc.input_ids.shape[1]:]
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache, **sampling,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
+                             pad_token_id=tokenizer.pad_token_id, use_cache=True, repetition_penalty=1.0)
+        generated = out[:, input_ids.shape[1]:]
         if generated.shape[1] == 0:
             generated = torch.full((len(chunk), 1), tokenizer.pad_token_id, device=out.device)
         mask, truncated = completion_mask(generated, eos_ids)
         for row in range(len(chunk)):
-            prompt_ids = enc.input_ids[row][enc.attention_mask[row].bool()].cpu()
+            prompt_ids = input_ids[row][attention_mask[row].bool()].cpu()
             completion_ids = generated[row][mask[row].bool()].cpu()
             results.append(Completion(prompt_ids, completion_ids, bool(truncated[row]),
                                       tokenizer.decode(completion_ids, skip_special_tokens=True)))

@@ -98,6 +98,7 @@ class EvalSettings:
     samples: int = 1            # k responses per problem
     temperature: float = 0.0    # 0 = greedy (then samples must be 1)
     top_p: float = 1.0
+    share_prefill: bool = True  # see rollout.generate_completions
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> EvalSettings:
@@ -111,7 +112,7 @@ class EvalSettings:
 def _sample(model, tokenizer, texts: list[str], s: EvalSettings, eos_ids: list[int]):
     return generate_completions(model, tokenizer, texts, eos_ids=eos_ids, max_new_tokens=s.max_new_tokens,
                                 temperature=s.temperature or 1.0, top_p=s.top_p, greedy=s.temperature == 0,
-                                batch_size=s.gen_batch)
+                                batch_size=s.gen_batch, share_prefill=s.share_prefill)
 
 
 def _record(row: dict, prompt: str, outs) -> dict:

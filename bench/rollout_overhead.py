@@ -1,9 +1,16 @@
-"""Rollout overhead: lanpo's sampling phase (`rollout.generate_completions`: tokenize, batched generate,
-EOS masks, decode) against a bare `model.generate` on the same prompts and settings. Alternating runs
-from the same seed; the table gives generated tokens per second (tokens up to and including EOS) and
-the ratio of the medians.
+"""Rollout overhead: lanpo's sampling phase (`rollout.generate_completions`: tokenize, shared prefill,
+batched generate, EOS masks, decode) against a bare `model.generate` on the same prompts and settings,
+on three prompt sets:
 
-    python bench/rollout_overhead.py                 # embedded SmolLM2-135M, 32 prompts x 48 tokens, 3 rounds
+- distinct: N different one-shot problem prompts (nothing to share);
+- groups: N/G problems x G samples of the plain prompt (a GRPO step's rollouts);
+- reflection groups: problems x G = 8 samples of a reflection prompt that shows an earlier attempt of
+  about --attempt-tokens tokens (the long prompts LANPO repeats within a group).
+
+Rounds alternate ours and bare from the same seed; the table gives generated tokens per second (tokens
+up to and including EOS), the ratio of the medians, and its 95 % bootstrap interval (rounds resampled).
+
+    python bench/rollout_overhead.py                 # embedded SmolLM2-135M, 32 prompts x 48 tokens, 5 rounds
     python bench/rollout_overhead.py --rounds 1 --prompts 8   # smoke run
 """
 
@@ -23,15 +30,27 @@ import data  # noqa: E402
 import models  # noqa: E402
 import prompts  # noqa: E402
 from grpo import completion_mask  # noqa: E402
+from reflect import reflection_prompt  # noqa: E402
 from rollout import generate_completions  # noqa: E402
+
+
+def ratio_interval(ours: list[float], bare: list[float], draws: int = 10_000) -> tuple[float, float]:
+    """95 % bootstrap interval of median(ours) / median(bare), resampling each side's rounds."""
+    rng = np.random.default_rng(0)
+    a, b = np.asarray(ours), np.asarray(bare)
+    ratios = [np.median(rng.choice(a, a.size)) / np.median(rng.choice(b, b.size)) for _ in range(draws)]
+    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=models.EMBEDDED)
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per generate call in every set")
+    ap.add_argument("--group-size", type=int, default=4, help="G of the groups set")
+    ap.add_argument("--reflect-group-size", type=int, default=8, help="G of the reflection set")
+    ap.add_argument("--attempt-tokens", type=int, default=160, help="earlier attempt shown in a reflection prompt")
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="runs/bench/rollout_overhead.json")
     args = ap.parse_args()
 
@@ -39,35 +58,51 @@ def main() -> None:
     model = models.load_policy(args.model, torch.float32).eval()
     eos = models.eos_token_ids(model, tokenizer)
     rows = data.synthetic_arith("train", args.prompts, seed=0, levels=[1, 2, 3])
-    texts = [prompts.render_prompt(tokenizer, prompts.problem_request(r["problem"]), True) for r in rows]
+    plain = [prompts.render_prompt(tokenizer, prompts.problem_request(r["problem"]), True) for r in rows]
+    n_reflect = args.prompts // args.reflect_group_size
+    torch.manual_seed(0)  # the earlier attempts: sampled once, long enough to fill the attempt budget
+    attempts = generate_completions(model, tokenizer, plain[:n_reflect], eos_ids=[], temperature=1.0,
+                                    max_new_tokens=args.attempt_tokens)
+    reflect = [reflection_prompt(tokenizer, r["problem"], [a.text], attempt_tokens=args.attempt_tokens,
+                                 one_shot=True)[0] for r, a in zip(rows, attempts)]
+    sets = {"distinct": plain,
+            f"groups (G = {args.group_size})": [t for t in plain[:args.prompts // args.group_size]
+                                                for _ in range(args.group_size)],
+            f"reflection groups (G = {args.reflect_group_size})": [t for t in reflect
+                                                                   for _ in range(args.reflect_group_size)]}
 
-    def ours() -> int:
+    def ours(texts: list[str]) -> int:
         outs = generate_completions(model, tokenizer, texts, eos_ids=eos, max_new_tokens=args.max_new_tokens,
                                     temperature=1.0, batch_size=len(texts))
         return sum(len(o.completion_ids) for o in outs)
 
     @torch.no_grad()
-    def bare() -> int:
+    def bare(texts: list[str]) -> int:
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
                              max_new_tokens=args.max_new_tokens, eos_token_id=eos,
                              pad_token_id=tokenizer.pad_token_id)
         return int(completion_mask(out[:, enc.input_ids.shape[1]:], eos)[0].sum())
 
-    rates = {"ours": [], "bare": []}
-    for r in range(args.rounds):
-        for name, fn in (("ours", ours), ("bare", bare)):
-            torch.manual_seed(r)
-            t0 = time.perf_counter()
-            tokens = fn()
-            rates[name].append(tokens / (time.perf_counter() - t0))
-    result = {name: float(np.median(v)) for name, v in rates.items()}
-    result["ratio"] = result["ours"] / result["bare"]
-    result["runs"] = rates
-    print(f"{args.prompts} prompts x {args.max_new_tokens} new tokens, {args.rounds} rounds")
-    print(f"| | tokens/s (median) |\n|---|---|\n| generate_completions | {result['ours']:.1f} |\n"
-          f"| bare model.generate | {result['bare']:.1f} |")
-    print(f"ratio: {result['ratio']:.3f}")
+    result = {}
+    print(f"{args.prompts} prompts per call x {args.max_new_tokens} new tokens, {args.rounds} rounds")
+    print("| prompts | prompt tokens (mean) | generate_completions tok/s | bare generate tok/s | ratio [95 % CI] |")
+    print("|---|---|---|---|---|")
+    for name, texts in sets.items():
+        rates = {"ours": [], "bare": []}
+        for r in range(args.rounds):
+            for side, fn in (("ours", ours), ("bare", bare)):
+                torch.manual_seed(r)
+                t0 = time.perf_counter()
+                tokens = fn(texts)
+                rates[side].append(tokens / (time.perf_counter() - t0))
+        low, high = ratio_interval(rates["ours"], rates["bare"])
+        prompt_tokens = float(np.mean([len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]))
+        result[name] = {"ours": float(np.median(rates["ours"])), "bare": float(np.median(rates["bare"])),
+                        "ratio_95": [low, high], "prompt_tokens": prompt_tokens, "runs": rates}
+        result[name]["ratio"] = result[name]["ours"] / result[name]["bare"]
+        print(f"| {name} | {prompt_tokens:.0f} | {result[name]['ours']:.1f} | {result[name]['bare']:.1f} | "
+              f"{result[name]['ratio']:.2f} [{low:.2f}, {high:.2f}] |", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 

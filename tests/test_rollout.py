@@ -1,0 +1,76 @@
+"""Sampling with a shared prefill: a prompt repeated within a generate call is encoded once and its KV cache
+copied to its rows. The sampled distribution must not change: the same per-step logits as the plain path
+(float tolerance), and with a fixed seed the same completions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import prompts
+from rollout import _cache_kwarg, generate_completions, shared_prefill
+
+QUESTIONS = ["What is 2 + 5?", "Tom has 12 apples and gets 3 more in total today. How many apples now?", "Is 7 odd?"]
+
+
+def group_prompts(tokenizer, group_size: int) -> list[str]:
+    """Prompts of different lengths (so rows are left-padded differently), each repeated G times."""
+    texts = [prompts.render_prompt(tokenizer, prompts.problem_request(q), True) for q in QUESTIONS]
+    return [t for t in texts for _ in range(group_size)]
+
+
+def test_shared_prefill_gives_the_plain_paths_logits_at_every_step(tiny):
+    model, tokenizer = tiny
+    model.eval()
+    chunk = group_prompts(tokenizer, 4)
+    distinct = list(dict.fromkeys(chunk))
+    rows = [distinct.index(t) for t in chunk]
+    enc = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = enc.input_ids[rows], enc.attention_mask[rows]
+    settings = dict(do_sample=False, max_new_tokens=10, output_logits=True, return_dict_in_generate=True,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=[], min_new_tokens=10)
+    plain = model.generate(input_ids=ids, attention_mask=mask, **settings)
+    shared = model.generate(input_ids=ids, attention_mask=mask, **settings,
+                            **{_cache_kwarg(): shared_prefill(model, enc, rows)})
+    assert torch.equal(plain.sequences, shared.sequences)
+    assert len(plain.logits) == len(shared.logits) == 10
+    for step, (a, b) in enumerate(zip(plain.logits, shared.logits)):
+        torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
+
+
+def test_shared_prefill_logits_differ_when_cache_rows_are_misassigned(tiny):
+    """The check above can fail: the same comparison with the cache rows of two prompts swapped."""
+    model, tokenizer = tiny
+    model.eval()
+    chunk = group_prompts(tokenizer, 2)
+    distinct = list(dict.fromkeys(chunk))
+    rows = [distinct.index(t) for t in chunk]
+    enc = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = enc.input_ids[rows], enc.attention_mask[rows]
+    settings = dict(do_sample=False, max_new_tokens=1, output_logits=True, return_dict_in_generate=True,
+                    pad_token_id=tokenizer.pad_token_id)
+    plain = model.generate(input_ids=ids, attention_mask=mask, **settings)
+    wrong = [1 - r if r < 2 else r for r in rows]
+    swapped = model.generate(input_ids=ids, attention_mask=mask, **settings,
+                             **{_cache_kwarg(): shared_prefill(model, enc, wrong)})
+    assert not torch.allclose(plain.logits[0][:4], swapped.logits[0][:4], atol=1e-3)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_shared_prefill_samples_the_same_completions(tiny, greedy):
+    """Fixed seed: the same completions (ids, prompt ids, truncation) with and without sharing, including a
+    group split across two generate calls and a prompt that appears once."""
+    model, tokenizer = tiny
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    texts = group_prompts(tokenizer, 4) + [prompts.render_prompt(tokenizer, "Say Yes or No.", False)]
+    for seed in range(3):
+        outs = []
+        for share in (False, True):
+            torch.manual_seed(seed)
+            outs.append(generate_completions(model, tokenizer, texts, eos_ids=eos, max_new_tokens=12, greedy=greedy,
+                                             batch_size=6, share_prefill=share))
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert a.prompt_ids.tolist() == b.prompt_ids.tolist(), i
+            assert a.completion_ids.tolist() == b.completion_ids.tolist(), (seed, i)
+            assert (a.truncated, a.text) == (b.truncated, b.text)
