@@ -94,9 +94,13 @@ class AbstractionStats:
 
 def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, *,
                 candidates: int, gamma: float, mode: str, refresh: int, attempt_tokens: int,
-                max_new_tokens: int, eos_ids: list[int], gen_batch: int) -> tuple[dict[str, str], AbstractionStats]:
+                max_new_tokens: int, eos_ids: list[int], gen_batch: int,
+                relevance_text: str) -> tuple[dict[str, str], AbstractionStats]:
     """Lessons (principles, or raw trajectories in `raw` mode) for each problem that has relevant
     experience in the pool; problems without any are absent from the result.
+
+    relevance_text: what the relevance judgement sees of a candidate: its problem and shown solution
+    (experience), or its problem statement only (problem: about a third of the tokens).
 
     `cache` maps problem id -> {"step", "lessons"} and is updated in place; an entry (also "all
     candidates judged irrelevant") is reused for `refresh` steps, then rebuilt (the pool has grown and
@@ -121,7 +125,8 @@ def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], ca
         stats.candidates += len(shown)
         todo.append((p, shown))
         for t in shown:
-            pairs.append(relevance_request(p["problem"], t.problem, t.response))
+            solution = t.response if relevance_text == "experience" else None
+            pairs.append(relevance_request(p["problem"], t.problem, solution))
             owners.append(len(todo) - 1)
     stats.time_retrieval = time.perf_counter() - t0
 

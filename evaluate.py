@@ -32,7 +32,7 @@ from pool import ExperiencePool
 
 # the settings evaluation shares with training: flags, help and defaults come from lanpo.Config
 SHARED = ("model", "seed", "max_new_tokens", "top_p", "one_shot", "gen_batch", "attempt_tokens", "inter_candidates",
-          "relevance_threshold", "abstract_max_tokens", "share_prefill")
+          "relevance_threshold", "relevance_text", "abstract_max_tokens", "share_prefill")
 
 
 def compare(a_dir: str, b_dir: str) -> str:

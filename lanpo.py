@@ -135,6 +135,9 @@ class Config:
                          choices=["principles", "raw"])
     inter_candidates: int = _f(3, "K: similar problems retrieved from the pool per problem")
     relevance_threshold: float = _f(0.9, "gamma: keep a candidate when P(Yes | relevant?) >= gamma; 0 keeps all")
+    relevance_text: str = _f("experience", "what the relevance judgement reads of a candidate: its problem and shown "
+                             "solution (experience), or its problem statement only (problem: a shorter, cheaper "
+                             "forward)", choices=["experience", "problem"])
     abstract_refresh: int = _f(4, "reuse a problem's principles for this many steps before distilling anew")
     abstract_max_tokens: int = _f(64, "longest principles text")
     retriever: str = _f("tfidf", "similar-problem retriever: tfidf (lexical, numpy) or policy (its hidden states)",
@@ -875,7 +878,7 @@ def lessons_for_step(run: Run, problems: list[dict], step: int) -> tuple[dict[st
             run.policy, run.tokenizer, run.pool, problems, run.lessons_cache, step, candidates=cfg.inter_candidates,
             gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
             attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens, eos_ids=run.eos_ids,
-            gen_batch=cfg.gen_batch)
+            gen_batch=cfg.gen_batch, relevance_text=cfg.relevance_text)
     for made in distributed.gather([{p["id"]: run.lessons_cache[p["id"]] for p in problems
                                      if p["id"] in run.lessons_cache}]):
         run.lessons_cache.update(made)

@@ -100,8 +100,13 @@ def leaky_reflection_request(problem: str, attempts: list[str], mode: str, rewar
 
 # ------------------------------------------------------------------------------- inter-sample: abstraction
 
-def relevance_request(problem: str, other_problem: str, other_solution: str) -> str:
-    """Asks whether another problem's approach is relevant (answered Yes/No; scored, never generated)."""
+def relevance_request(problem: str, other_problem: str, other_solution: str | None) -> str:
+    """Asks whether another problem's approach is relevant (answered Yes/No; scored, never generated). With
+    `other_solution` None (--relevance-text problem) the judgement rests on the two problem statements."""
+    if other_solution is None:
+        return (f"Problem A: {problem}\n\nProblem B: {other_problem}\n\n"
+                "Is the approach that solves problem B relevant and useful for solving problem A? "
+                "Answer with Yes or No.")
     return (f"Problem A: {problem}\n\nProblem B: {other_problem}\n\nA solution of problem B:\n{other_solution}\n\n"
             "Is the approach used to solve problem B relevant and useful for solving problem A? "
             "Answer with Yes or No.")

@@ -207,13 +207,34 @@ def test_threshold_filters_as_stated(tiny):
     pairs = [prompts.relevance_request(problem[0]["problem"], ts[0].problem, ts[0].response) for _, ts in found]
     scores = sorted(abstract.relevance_scores(model, tokenizer, pairs))
     gamma = (scores[1] + scores[2]) / 2  # between the 2nd and 3rd score: exactly 2 kept
-    kw = dict(candidates=4, mode="raw", refresh=1, attempt_tokens=64, max_new_tokens=8, eos_ids=[2], gen_batch=4)
+    kw = dict(candidates=4, mode="raw", refresh=1, attempt_tokens=64, max_new_tokens=8, eos_ids=[2], gen_batch=4,
+              relevance_text="experience")
     lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, gamma=gamma, **kw)
     assert stats.candidates == 4 and stats.kept == 2 and lessons["cur"].count("Related problem:") == 2
     lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, gamma=0.0, **kw)
     assert stats.kept == 4
     lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, gamma=1.0, **kw)
     assert stats.kept == 0 and "cur" not in lessons
+
+
+@pytest.mark.parametrize("relevance_text", ["experience", "problem"])
+def test_relevance_text_decides_what_the_judgement_reads(tiny, monkeypatch, relevance_text):
+    """--relevance-text problem: the candidates' solutions are not in the relevance requests (and the
+    requests are shorter); experience: they are."""
+    model, tokenizer = tiny
+    pool = ExperiencePool()
+    pool.add([trial(f"o{i}", f"Tom has {i} apples and gets {i} more.", f"SOLUTION{i}: {i} + {i} = {2 * i}", 1.0)
+              for i in range(3)])
+    seen = []
+    monkeypatch.setattr(abstract, "relevance_scores", lambda m, t, pairs: seen.extend(pairs) or [1.0] * len(pairs))
+    lessons, stats = abstract.lessons_for(
+        model, tokenizer, pool, [{"id": "cur", "problem": "Tom has 9 apples and gets 9 more."}], {}, 1, candidates=3,
+        gamma=0.5, mode="raw", refresh=1, attempt_tokens=64, max_new_tokens=8, eos_ids=[2], gen_batch=4,
+        relevance_text=relevance_text)
+    assert len(seen) == 3 and stats.kept == 3
+    assert all(f"Tom has {i} apples" in "".join(seen) for i in range(3))
+    assert all(("SOLUTION" in pair) == (relevance_text == "experience") for pair in seen)
+    assert lessons["cur"].count("SOLUTION") == 3  # what is kept still shows its solution (raw mode)
 
 
 def test_principles_are_cached_and_refreshed(tiny):
@@ -223,7 +244,7 @@ def test_principles_are_cached_and_refreshed(tiny):
     problem = [{"id": "cur", "problem": "Tom has 4 apples."}]
     cache = {}
     kw = dict(candidates=2, gamma=0.0, mode="principles", refresh=3, attempt_tokens=64, max_new_tokens=6,
-              eos_ids=[2], gen_batch=4)
+              eos_ids=[2], gen_batch=4, relevance_text="experience")
     _, s1 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 1, **kw)
     _, s2 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 3, **kw)
     _, s3 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 4, **kw)
