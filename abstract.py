@@ -92,19 +92,21 @@ class AbstractionStats:
     time_abstraction: float = 0.0
 
 
-def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, *,
-                candidates: int, gamma: float, mode: str, refresh: int, attempt_tokens: int,
-                max_new_tokens: int, eos_ids: list[int], gen_batch: int,
-                relevance_text: str) -> tuple[dict[str, str], AbstractionStats]:
-    """Lessons (principles, or raw trajectories in `raw` mode) for each problem that has relevant
-    experience in the pool; problems without any are absent from the result.
+@dataclass
+class PendingLessons:
+    """Lessons half made: served from the cache, or judged and waiting for their principles to be generated."""
+    lessons: dict[str, str]           # problem id -> lessons ready now (cache hits; raw mode: all)
+    todo: list[tuple[dict, list[Trial]]]  # problems judged this time, with the experiences shown to the judge
+    kept: list[list[Trial]]           # per todo problem: the experiences judged relevant
+    requests: list[str]               # rendered principles requests, one per todo problem with kept experiences
+    stats: AbstractionStats
 
-    relevance_text: what the relevance judgement sees of a candidate: its problem and shown solution
-    (experience), or its problem statement only (problem: about a third of the tokens).
 
-    `cache` maps problem id -> {"step", "lessons"} and is updated in place; an entry (also "all
-    candidates judged irrelevant") is reused for `refresh` steps, then rebuilt (the pool has grown and
-    the policy has changed)."""
+def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, *,
+                    candidates: int, gamma: float, mode: str, refresh: int, attempt_tokens: int,
+                    relevance_text: str) -> PendingLessons:
+    """Steps 1 and 2 (candidates, relevance) for each problem whose cache entry is missing or older than
+    `refresh` steps; cache hits are served as they are. What is left to generate is in `requests`."""
     stats = AbstractionStats()
     lessons: dict[str, str] = {}
     todo: list[tuple[dict, list[Trial]]] = []
@@ -143,29 +145,53 @@ def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], ca
         kept = [shown for _, shown in todo]
     stats.kept = sum(len(k) for k in kept)
     stats.time_relevance = time.perf_counter() - t0
+    requests = [] if mode == "raw" else [render_prompt(tokenizer, principles_request(p["problem"], k), one_shot=False)
+                                         for (p, _), k in zip(todo, kept) if k]
+    return PendingLessons(lessons, todo, kept, requests, stats)
 
-    t0 = time.perf_counter()
-    needs = [(p, k) for (p, _), k in zip(todo, kept) if k]
+
+def finish_lessons(pending: PendingLessons, outs: list, cache: dict, step: int, mode: str) -> dict[str, str]:
+    """Step 3 from the generated principles (`outs`, one per request; raw mode: none): clean them, cache
+    every judged problem's result under `step`, and return all lessons."""
+    needs = [(p, k) for (p, _), k in zip(pending.todo, pending.kept) if k]
     if mode == "raw":
         made = [raw_experience_block(k) for _, k in needs]
-    elif needs:
-        requests = [render_prompt(tokenizer, principles_request(p["problem"], k), one_shot=False) for p, k in needs]
-        outs = generate_completions(model, tokenizer, requests, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
-                                    greedy=True, batch_size=gen_batch)
-        made = [clean_principles(o.text, [extract_answer(t.response) for t in k]) for o, (_, k) in zip(outs, needs)]
-        stats.principles_tokens = [len(o.completion_ids) for o in outs]
     else:
-        made = []
-    stats.made = len(made)
+        made = [clean_principles(o.text, [extract_answer(t.response) for t in k]) for o, (_, k) in zip(outs, needs)]
+        pending.stats.principles_tokens = [len(o.completion_ids) for o in outs]
+    pending.stats.made = len(made)
     by_id = {p["id"]: text for (p, _), text in zip(needs, made)}
-    for p, shown in todo:
+    lessons = dict(pending.lessons)
+    for p, shown in pending.todo:
         text = by_id.get(p["id"], "")
         if shown:  # with no candidates at all there is nothing to reuse: ask the (growing) pool next step
             cache[p["id"]] = {"step": step, "lessons": text}
         if text:
             lessons[p["id"]] = text
-    stats.time_abstraction = time.perf_counter() - t0
-    return lessons, stats
+    return lessons
+
+
+def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, *,
+                candidates: int, gamma: float, mode: str, refresh: int, attempt_tokens: int,
+                max_new_tokens: int, eos_ids: list[int], gen_batch: int,
+                relevance_text: str) -> tuple[dict[str, str], AbstractionStats]:
+    """Lessons (principles, or raw trajectories in `raw` mode) for each problem that has relevant
+    experience in the pool; problems without any are absent from the result.
+
+    relevance_text: what the relevance judgement sees of a candidate: its problem and shown solution
+    (experience), or its problem statement only (problem: about a third of the tokens).
+
+    `cache` maps problem id -> {"step", "lessons"} and is updated in place; an entry (also "all
+    candidates judged irrelevant") is reused for `refresh` steps, then rebuilt (the pool has grown and
+    the policy has changed)."""
+    pending = prepare_lessons(model, tokenizer, pool, problems, cache, step, candidates=candidates, gamma=gamma,
+                              mode=mode, refresh=refresh, attempt_tokens=attempt_tokens, relevance_text=relevance_text)
+    t0 = time.perf_counter()
+    outs = generate_completions(model, tokenizer, pending.requests, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+                                greedy=True, batch_size=gen_batch) if pending.requests else []
+    lessons = finish_lessons(pending, outs, cache, step, mode)
+    pending.stats.time_abstraction = time.perf_counter() - t0
+    return lessons, pending.stats
 
 
 def hidden_state_embedder(model, tokenizer):

@@ -140,6 +140,9 @@ class Config:
                              "forward)", choices=["experience", "problem"])
     abstract_refresh: int = _f(4, "reuse a problem's principles for this many steps before distilling anew")
     abstract_max_tokens: int = _f(64, "longest principles text")
+    abstract_ahead: bool = _f(False, "distil the next step's principles inside this step's sampling call (one "
+                              "generate call a step instead of two); they are then made from the pool before this "
+                              "step's trials, by the policy before this step's update")
     retriever: str = _f("tfidf", "similar-problem retriever: tfidf (lexical, numpy) or policy (its hidden states)",
                         choices=["tfidf", "policy"])
     pool_per_problem: int = _f(8, "trials kept per problem (oldest evicted first)")
@@ -866,23 +869,73 @@ def setup(cfg: Config) -> Run:
 # The loop
 
 
+def wants_lessons(cfg: Config) -> bool:
+    """Whether inter-sample feedback is made at all: some rollout, teacher or modelling loss uses it."""
+    used = cfg.feedback_ratio > 0 or cfg.feedback_model_coef > 0 or cfg.self_distill_coef > 0
+    return cfg.feedback in ("inter", "both") and used
+
+
+def share_lessons(run: Run, problems: list[dict]) -> None:
+    """Every process's cache entries for its problems, into every process's cache."""
+    for made in distributed.gather([{p["id"]: run.lessons_cache[p["id"]] for p in problems
+                                     if p["id"] in run.lessons_cache}]):
+        run.lessons_cache.update(made)
+
+
 def lessons_for_step(run: Run, problems: list[dict], step: int) -> tuple[dict[str, str], abstract.AbstractionStats]:
     """Inter-sample feedback for this process's problems: relevant similar problems from the pool, distilled
-    into principles (cached for --abstract-refresh steps, the cache shared by every process)."""
+    into principles (cached for --abstract-refresh steps, the cache shared by every process). Under
+    --abstract-ahead only what the previous step made (`upcoming_lessons`) is served: nothing is made now."""
     cfg = run.cfg
-    wanted = cfg.feedback_ratio > 0 or cfg.feedback_model_coef > 0 or cfg.self_distill_coef > 0
-    if cfg.feedback not in ("inter", "both") or not wanted:
+    if not wants_lessons(cfg):
         return {}, abstract.AbstractionStats()
+    if cfg.abstract_ahead:
+        hits = {p["id"]: run.lessons_cache.get(p["id"]) for p in problems}
+        hits = {i: h for i, h in hits.items() if h is not None and step - h["step"] < cfg.abstract_refresh}
+        return ({i: h["lessons"] for i, h in hits.items() if h["lessons"]},
+                abstract.AbstractionStats(cached=len(hits)))
     with run.full_weights():  # processes make different numbers of forwards
         lessons, stats = abstract.lessons_for(
             run.policy, run.tokenizer, run.pool, problems, run.lessons_cache, step, candidates=cfg.inter_candidates,
             gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
             attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens, eos_ids=run.eos_ids,
             gen_batch=cfg.gen_batch, relevance_text=cfg.relevance_text)
-    for made in distributed.gather([{p["id"]: run.lessons_cache[p["id"]] for p in problems
-                                     if p["id"] in run.lessons_cache}]):
-        run.lessons_cache.update(made)
+    share_lessons(run, problems)
     return lessons, stats
+
+
+def upcoming_lessons(run: Run, step: int) -> abstract.PendingLessons | None:
+    """--abstract-ahead: retrieve and judge the next step's problems now, so that their principles are
+    generated inside this step's sampling call (one generate call a step instead of two). They are made
+    from the pool before this step's trials, by the policy before this step's update."""
+    cfg = run.cfg
+    if not (cfg.abstract_ahead and wants_lessons(cfg) and step + 1 < cfg.steps):
+        return None
+    upcoming = distributed.my_share(problems_for_step(run.train_rows, step + 1, cfg.batch_problems, cfg.seed),
+                                    run.accelerator)
+    with run.full_weights():  # processes make different numbers of forwards
+        return abstract.prepare_lessons(
+            run.policy, run.tokenizer, run.pool, upcoming, run.lessons_cache, step + 1,
+            candidates=cfg.inter_candidates, gamma=cfg.relevance_threshold, mode=cfg.inter_mode,
+            refresh=cfg.abstract_refresh, attempt_tokens=cfg.attempt_tokens, relevance_text=cfg.relevance_text)
+
+
+def sample(run: Run, rollout_prompts: list[Prompt], pending: abstract.PendingLessons | None,
+           step: int) -> list[Completion]:
+    """The step's G rollouts per problem and, under --abstract-ahead, the next step's principles (greedy)
+    in the same generate calls; those principles go into every process's cache for the next step."""
+    cfg, requests = run.cfg, pending.requests if pending else []
+    texts = [p.text for p in rollout_prompts] + requests
+    greedy = [False] * len(rollout_prompts) + [True] * len(requests)
+    limits = [cfg.max_new_tokens] * len(rollout_prompts) + [cfg.abstract_max_tokens] * len(requests)
+    with oom_hint("sampling", f"--gen-batch {max(1, cfg.gen_batch // 2)}", run.out_dir), run.full_weights():
+        outs = generate_completions(run.policy, run.tokenizer, texts, eos_ids=run.eos_ids, max_new_tokens=limits,
+                                    temperature=cfg.temperature, top_p=cfg.top_p, greedy=greedy,
+                                    batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill)
+    if pending is not None:
+        abstract.finish_lessons(pending, outs[len(rollout_prompts):], run.lessons_cache, step + 1, cfg.inter_mode)
+        share_lessons(run, [p for p, _ in pending.todo])
+    return outs[:len(rollout_prompts)]
 
 
 def stop_after_bad_updates(bad_in_row: int, update_stats: dict, step: int, run: Run) -> int:
@@ -949,14 +1002,13 @@ def train(run: Run) -> ExperiencePool:
                                     accelerator)
         lessons, lesson_stats = lessons_for_step(run, mine, step)
         rollout_prompts = build_prompts(tokenizer, mine, pool, lessons, cfg)
+        pending = upcoming_lessons(run, step)  # --abstract-ahead: the next step's, made in this step's call
+        if pending is not None:
+            pending.stats.cached, lesson_stats = lesson_stats.cached, pending.stats
 
         # 2. sample G rollouts per problem
         t0 = time.perf_counter()
-        with oom_hint("sampling", f"--gen-batch {max(1, cfg.gen_batch // 2)}", run.out_dir), run.full_weights():
-            completions = generate_completions(run.policy, tokenizer, [p.text for p in rollout_prompts],
-                                               eos_ids=run.eos_ids, max_new_tokens=cfg.max_new_tokens,
-                                               temperature=cfg.temperature, top_p=cfg.top_p,
-                                               batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill)
+        completions = sample(run, rollout_prompts, pending, step)
         timings = {"time_generate": time.perf_counter() - t0}
 
         # 3. grade against the gold answers (numerical reward; feedback never changes it)

@@ -9,6 +9,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from grpo import completion_mask, position_ids
 
@@ -46,22 +47,54 @@ def shared_prefill(model, enc, rows: list[int]):
     return cache
 
 
+class _ArgmaxRows(LogitsProcessor):
+    """Logits processor: the marked rows keep only their argmax, so a sampling call decodes them greedily."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        best = scores[self.rows].argmax(dim=-1, keepdim=True)
+        scores[self.rows] = torch.full_like(scores[self.rows], float("-inf")).scatter(-1, best, 0.0)
+        return scores
+
+
+class _RowLimits(StoppingCriteria):
+    """Stopping criterion: each row stops after its own number of new tokens."""
+
+    def __init__(self, prompt_len: int, limits: list[int]):
+        self.prompt_len, self.limits = prompt_len, limits
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.tensor(self.limits, device=input_ids.device) <= input_ids.shape[1] - self.prompt_len
+
+
 @torch.no_grad()
-def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[int], max_new_tokens: int,
-                         temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[int], max_new_tokens: int | list[int],
+                         temperature: float = 1.0, top_p: float = 1.0, greedy: bool | list[bool] = False,
                          batch_size: int = 64, share_prefill: bool = True) -> list[Completion]:
     """One completion per prompt (repeat a prompt G times for G samples), in batched generate calls of
     `batch_size` prompts, left-padded. Sampling draws from torch's global RNG: seed it for reproducibility.
+
+    greedy and max_new_tokens may be given per prompt (lists): greedy rows take the argmax inside a sampling
+    call and every row stops at its own limit, so work with different settings shares one call (LANPO's
+    principles ride along with the rollouts under --abstract-ahead).
 
     share_prefill: a prompt repeated within a call (the G samples of a group) is encoded once and its KV
     cache copied to its rows (`shared_prefill`), instead of being encoded once per row. The sampled
     distribution is the same; the logits may differ in the last float bits, as with any change of batch
     shape."""
+    n = len(prompts)
+    greedy_rows = list(greedy) if isinstance(greedy, (list, tuple)) else [greedy] * n
+    limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+    if len(greedy_rows) != n or len(limits) != n:
+        raise ValueError(f"{n} prompts but {len(greedy_rows)} greedy flags and {len(limits)} token limits")
     was_training = model.training
     model.eval()
     results: list[Completion] = []
-    for start in range(0, len(prompts), batch_size):
+    for start in range(0, n, batch_size):
         chunk = prompts[start:start + batch_size]
+        chunk_greedy, chunk_limits = greedy_rows[start:start + batch_size], limits[start:start + batch_size]
         distinct = list(dict.fromkeys(chunk))
         shared = share_prefill and len(distinct) < len(chunk)
         enc = tokenizer(distinct if shared else chunk, return_tensors="pt", padding=True,
@@ -74,21 +107,29 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
             index = torch.tensor(rows, device=enc.input_ids.device)
             enc = {"input_ids": enc.input_ids[index], "attention_mask": enc.attention_mask[index]}
         input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
-        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature,
-                                                        "top_p": top_p, "top_k": 0}
+        if all(chunk_greedy):
+            sampling = {"do_sample": False}
+        else:
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+            if any(chunk_greedy):
+                sampling["logits_processor"] = LogitsProcessorList(
+                    [_ArgmaxRows(torch.tensor(chunk_greedy, device=input_ids.device))])
+        if len(set(chunk_limits)) > 1:
+            sampling["stopping_criteria"] = StoppingCriteriaList([_RowLimits(input_ids.shape[1], chunk_limits)])
         # top_k=0 and repetition_penalty=1 override generation_config defaults (top_k=50; Qwen-Instruct's
         # 1.05 penalty) that would make the sampled distribution differ from the one we score and train.
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache, **sampling,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
+                             max_new_tokens=max(chunk_limits), eos_token_id=eos_ids,
                              pad_token_id=tokenizer.pad_token_id, use_cache=True, repetition_penalty=1.0)
         generated = out[:, input_ids.shape[1]:]
         if generated.shape[1] == 0:
             generated = torch.full((len(chunk), 1), tokenizer.pad_token_id, device=out.device)
-        mask, truncated = completion_mask(generated, eos_ids)
         for row in range(len(chunk)):
+            # a row past its own limit holds padding, which may be an EOS id: mask within the limit only
+            mask, truncated = completion_mask(generated[row:row + 1, :chunk_limits[row]], eos_ids)
             prompt_ids = input_ids[row][attention_mask[row].bool()].cpu()
-            completion_ids = generated[row][mask[row].bool()].cpu()
-            results.append(Completion(prompt_ids, completion_ids, bool(truncated[row]),
+            completion_ids = generated[row, :chunk_limits[row]][mask[0].bool()].cpu()
+            results.append(Completion(prompt_ids, completion_ids, bool(truncated[0]),
                                       tokenizer.decode(completion_ids, skip_special_tokens=True)))
     model.train(was_training)
     return results

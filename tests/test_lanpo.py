@@ -285,6 +285,24 @@ def test_feedback_both_mixes_kinds_and_logs_them(tiny_model_dir, tmp_path, grade
     assert kinds == {"scratch", "reflect", "abstract"}
 
 
+def test_abstract_ahead_makes_the_next_steps_principles_in_the_sampling_call(tiny_model_dir, tmp_path, monkeypatch,
+                                                                             graded_by_parity):
+    """--abstract-ahead: one generate call a step, whose greedy extra rows are the next step's principles;
+    abstraction never generates on its own. Step 1's call finds an empty pool (its trials are added after
+    sampling), so principles are made from step 2 on and first used at step 3, one step later than inline."""
+    calls = []
+    real = lanpo.generate_completions
+    monkeypatch.setattr(lanpo, "generate_completions", lambda *a, **k: calls.append(k["greedy"]) or real(*a, **k))
+    monkeypatch.setattr(abstract, "generate_completions", lambda *a, **k: pytest.fail("abstraction generated"))
+    records = _run(tiny_model_dir, tmp_path / "ahead", "--feedback", "both", "--abstract-ahead",
+                   "--eval-every", "0")
+    assert [sum(g) for g in calls] == [0, 2, 0]  # step 2 carries the 2 problems' principles for step 3
+    assert all(g[:8] == [False] * 8 for g in calls)  # the 8 rollouts are sampled
+    assert [r["principles_made"] for r in records] == [0, 2, 0]
+    assert [r["abstract/count"] for r in records] == [0, 0, 2] and records[2]["principles_cached"] == 2
+    assert records[1]["relevance_candidates"] == 2
+
+
 def test_feedback_none_is_plain_grpo(tiny_model_dir, tmp_path, graded_by_parity):
     none = _run(tiny_model_dir, tmp_path / "none", "--feedback", "none")
     zero = _run(tiny_model_dir, tmp_path / "zero", "--feedback", "both", "--feedback-ratio", "0")

@@ -49,11 +49,13 @@ def _metrics(out):
     return training_metrics(out)
 
 
-def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--abstract-ahead"]], ids=["inline", "abstract-ahead"])
+def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, extra):
+    """Under --abstract-ahead the checkpoint must also carry the principles made for the next step."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(_cmd(tiny_model_dir, tmp_path / "full"), check=True, env=env, capture_output=True)
+    subprocess.run(_cmd(tiny_model_dir, tmp_path / "full", *extra), check=True, env=env, capture_output=True)
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(tiny_model_dir, out, "--slow"), env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(tiny_model_dir, out, "--slow", *extra), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not (out / "checkpoints" / "step-000003").exists() and time.time() < deadline and proc.poll() is None:
@@ -62,7 +64,7 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tiny_model_dir
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert len(_metrics(out)) < 6
-    subprocess.run(_cmd(tiny_model_dir, out, "--resume"), check=True, env=env, capture_output=True)
+    subprocess.run(_cmd(tiny_model_dir, out, "--resume", *extra), check=True, env=env, capture_output=True)
     # exact equality: per-step seeding + restored optimizer/scheduler/pool/lessons, deterministic CPU kernels
     assert _metrics(out) == _metrics(tmp_path / "full")
     assert (out / "checkpoints" / "step-000006" / "pool.jsonl").read_text() == \

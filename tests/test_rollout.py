@@ -74,3 +74,26 @@ def test_shared_prefill_samples_the_same_completions(tiny, greedy):
             assert a.prompt_ids.tolist() == b.prompt_ids.tolist(), i
             assert a.completion_ids.tolist() == b.completion_ids.tolist(), (seed, i)
             assert (a.truncated, a.text) == (b.truncated, b.text)
+
+
+def test_greedy_rows_and_row_limits_inside_one_sampling_call(tiny):
+    """Per-row settings: greedy rows in a sampling call decode exactly as a greedy-only call, and every row
+    stops at its own limit (its truncation judged within that limit)."""
+    model, tokenizer = tiny
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    sampled = group_prompts(tokenizer, 2)
+    asks = [prompts.render_prompt(tokenizer, q, False) for q in ("Say Yes or No.", "Check each step.")]
+    torch.manual_seed(0)
+    alone = generate_completions(model, tokenizer, asks, eos_ids=eos, max_new_tokens=12, greedy=True)
+    torch.manual_seed(0)
+    mixed = generate_completions(model, tokenizer, sampled + asks, eos_ids=eos,
+                                 max_new_tokens=[3] * len(sampled) + [12] * len(asks),
+                                 greedy=[False] * len(sampled) + [True] * len(asks))
+    for a, b in zip(alone, mixed[len(sampled):]):
+        assert a.completion_ids.tolist() == b.completion_ids.tolist() and a.truncated == b.truncated
+    assert max(len(c.completion_ids) for c in mixed[len(sampled):]) > 3
+    for c in mixed[:len(sampled)]:
+        assert len(c.completion_ids) <= 3
+        assert c.truncated == (eos[0] not in c.completion_ids.tolist())
+    with pytest.raises(ValueError, match="2 greedy flags"):
+        generate_completions(model, tokenizer, asks + asks, eos_ids=eos, max_new_tokens=4, greedy=[True, False])
