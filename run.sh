@@ -86,6 +86,8 @@ leak-reward     --feedback intra --reflect-mode with-reward
 leak-gold       --feedback intra --reflect-mode with-gold
 inter-raw       --feedback inter --inter-mode raw
 no-relevance    --feedback both --relevance-threshold 0
+relevance-problem --feedback both --relevance-text problem
+abstract-ahead  --feedback both --abstract-ahead
 ratio-0.25      --feedback both --feedback-ratio 0.25
 ratio-0.75      --feedback both --feedback-ratio 0.75
 strip-grad      --feedback both --feedback-grad strip

@@ -1,16 +1,22 @@
 """LANPO overhead: step time with `--feedback both` against plain GRPO (`--feedback none`) at the same
 B x G, on the embedded model, with few problems so that they recur and both kinds of feedback are used.
 Breaks the extra time down into retrieval, relevance scoring, abstraction and longer prompts, and
-estimates what the lessons cache saved (cached problems x mean cost of one distillation).
+estimates what the lessons cache saved (cached problems x mean cost of one distillation). Runs alternate
+(GRPO, LANPO, GRPO, LANPO, ...) in fresh processes; the ratio is of the medians over every timed step.
+Also reports what the relevance judgement accepted, so that a speed flag that changes what the policy
+sees (--relevance-text problem, --abstract-ahead) is measured for its effect, not only its speed.
 
-    python bench/lanpo_overhead.py                   # 6 steps each, B=4, G=4
-    python bench/lanpo_overhead.py --steps 3         # smoke run
+    python bench/lanpo_overhead.py                   # 2 rounds x 6 steps each, B=4, G=4
+    python bench/lanpo_overhead.py --steps 3 --rounds 1          # smoke run
+    python bench/lanpo_overhead.py --both-flags="--no-share-prefill"      # the profile before prefill sharing
+    python bench/lanpo_overhead.py --lanpo-flags="--abstract-ahead --relevance-text problem"
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -21,14 +27,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(out: Path, feedback: str, args) -> list[dict]:
+def run(out: Path, feedback: str, args, extra: list[str]) -> list[dict]:
     cmd = [sys.executable, str(ROOT / "lanpo.py"), "--feedback", feedback, "--steps", str(args.steps),
            "--batch-problems", str(args.batch_problems), "--group-size", str(args.group_size),
            "--micro-batch", str(args.batch_problems * args.group_size // 2), "--synthetic-size",
            str(2 * args.batch_problems), "--max-new-tokens", "32", "--abstract-max-tokens", "48",
            "--relevance-threshold", str(args.gamma), "--abstract-refresh", "2", "--eval-every", "0",
-           "--report-to", "none", "--out-dir", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
+           "--report-to", "none", "--out-dir", str(out), *shlex.split(args.both_flags), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd[1:4])} ... failed:\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -39,12 +47,18 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--gamma", type=float, default=0.5,
                     help="relevance threshold (SmolLM2-135M scores 0.33-0.61: 0.9 would make no principles)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating (GRPO, LANPO) pairs of runs")
+    ap.add_argument("--both-flags", default="", help="extra lanpo.py flags for both arms")
+    ap.add_argument("--lanpo-flags", default="", help="extra lanpo.py flags for the LANPO arm only")
     ap.add_argument("--out", default="runs/bench/lanpo_overhead.json")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lanpo_overhead_"))
-    grpo = run(work / "grpo", "none", args)
-    lanpo = run(work / "lanpo", "both", args)
-    timed = lambda rs, k: [r.get(k, 0.0) for r in rs[1:]]  # noqa: E731 - step 1 has no feedback: warm-up
+    grpo, lanpo = [], []
+    for r in range(args.rounds):
+        grpo += run(work / f"grpo-{r}", "none", args, [])
+        lanpo += run(work / f"lanpo-{r}", "both", args, shlex.split(args.lanpo_flags))
+    # step 1 of every run is warm-up (and has no feedback)
+    timed = lambda rs, k: [r.get(k, 0.0) for r in rs if r["step"] > 1]  # noqa: E731
     made = sum(r["principles_made"] for r in lanpo)
     per_distillation = sum(r["time_abstraction"] for r in lanpo) / made if made else 0.0
     result = {
@@ -57,10 +71,15 @@ def main() -> None:
                           "lanpo": float(np.mean(timed(lanpo, "prompt_len_mean")))},
         "rollouts_by_kind": {k: sum(r[f"{k}/count"] for r in lanpo) for k in ("scratch", "reflect", "abstract")},
         "principles_made": made, "principles_cached": sum(r["principles_cached"] for r in lanpo),
+        "relevance_candidates": sum(r["relevance_candidates"] for r in lanpo),
+        "relevance_kept": sum(r["relevance_candidates"] * r["relevance_accept_rate"] for r in lanpo),
+        "abstract_reward": float(np.mean([r["abstract/reward"] for r in lanpo if r.get("abstract/count")] or [0])),
+        "flags": {"both": args.both_flags, "lanpo": args.lanpo_flags}, "rounds": args.rounds,
         "cache_saved_s_estimate": sum(r["principles_cached"] for r in lanpo) * per_distillation / max(1, len(lanpo)),
     }
     result["ratio"] = result["lanpo_step_s"] / result["grpo_step_s"]
-    print(f"B={args.batch_problems} G={args.group_size}, {args.steps} steps each (step 1 not counted)")
+    print(f"B={args.batch_problems} G={args.group_size}, {args.rounds} rounds x {args.steps} steps each (step 1 not "
+          f"counted); flags both: {args.both_flags or '-'}, LANPO: {args.lanpo_flags or '-'}")
     print(f"median step: GRPO {result['grpo_step_s']:.1f} s, LANPO {result['lanpo_step_s']:.1f} s, "
           f"ratio {result['ratio']:.2f}")
     print("extra seconds per step (mean, LANPO - GRPO):")
@@ -70,6 +89,8 @@ def main() -> None:
           f"LANPO {result['prompt_tokens']['lanpo']:.0f}")
     print(f"rollouts by kind: {result['rollouts_by_kind']}; principles made {made:.0f}, served from cache "
           f"{result['principles_cached']:.0f} (saved ~{result['cache_saved_s_estimate']:.1f} s per step)")
+    print(f"relevance: kept {result['relevance_kept']:.0f} of {result['relevance_candidates']} candidates judged; "
+          f"abstraction rollouts' mean reward {result['abstract_reward']:.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--attempt-tokens", type=int, default=160, help="earlier attempt shown in a reflection prompt")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sets", nargs="+", default=["distinct", "groups", "reflection"],
+                    choices=["distinct", "groups", "reflection"], help="prompt sets to time")
     ap.add_argument("--out", default="runs/bench/rollout_overhead.json")
     args = ap.parse_args()
 
@@ -65,11 +67,11 @@ def main() -> None:
                                     max_new_tokens=args.attempt_tokens)
     reflect = [reflection_prompt(tokenizer, r["problem"], [a.text], attempt_tokens=args.attempt_tokens,
                                  one_shot=True)[0] for r, a in zip(rows, attempts)]
-    sets = {"distinct": plain,
-            f"groups (G = {args.group_size})": [t for t in plain[:args.prompts // args.group_size]
-                                                for _ in range(args.group_size)],
-            f"reflection groups (G = {args.reflect_group_size})": [t for t in reflect
-                                                                   for _ in range(args.reflect_group_size)]}
+    sets = {"distinct": ("distinct", plain),
+            "groups": (f"groups (G = {args.group_size})",
+                       [t for t in plain[:args.prompts // args.group_size] for _ in range(args.group_size)]),
+            "reflection": (f"reflection groups (G = {args.reflect_group_size})",
+                           [t for t in reflect for _ in range(args.reflect_group_size)])}
 
     def ours(texts: list[str]) -> int:
         outs = generate_completions(model, tokenizer, texts, eos_ids=eos, max_new_tokens=args.max_new_tokens,
@@ -88,7 +90,7 @@ def main() -> None:
     print(f"{args.prompts} prompts per call x {args.max_new_tokens} new tokens, {args.rounds} rounds")
     print("| prompts | prompt tokens (mean) | generate_completions tok/s | bare generate tok/s | ratio [95 % CI] |")
     print("|---|---|---|---|---|")
-    for name, texts in sets.items():
+    for name, texts in (sets[key] for key in args.sets):
         rates = {"ours": [], "bare": []}
         for r in range(args.rounds):
             for side, fn in (("ours", ours), ("bare", bare)):
@@ -103,6 +105,22 @@ def main() -> None:
         result[name]["ratio"] = result[name]["ours"] / result[name]["bare"]
         print(f"| {name} | {prompt_tokens:.0f} | {result[name]['ours']:.1f} | {result[name]['bare']:.1f} | "
               f"{result[name]['ratio']:.2f} [{low:.2f}, {high:.2f}] |", flush=True)
+    # What generate_completions adds around generate (tokenize, masks, decode), without generate's noise:
+    # the distinct set again with model.generate replaced by a replay of a recorded output.
+    enc = tokenizer(plain, return_tensors="pt", padding=True, add_special_tokens=False)
+    t0 = time.perf_counter()
+    recorded = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
+                              eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    generate_s = time.perf_counter() - t0
+    model.generate = lambda **kwargs: recorded
+    t0 = time.perf_counter()
+    for _ in range(20):
+        ours(plain)
+    around_s = (time.perf_counter() - t0) / 20
+    del model.generate
+    result["around_generate_s"], result["generate_s"] = around_s, generate_s
+    print(f"around generate (distinct set, generate replayed): {1000 * around_s:.1f} ms per call, "
+          f"{100 * around_s / generate_s:.2f} % of one generate call ({generate_s:.1f} s)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 
