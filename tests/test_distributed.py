@@ -55,3 +55,16 @@ def test_two_processes_share_one_pool_and_log_every_rollout(tiny_model_dir, tmp_
     by_step = lambda out: {s: sorted({p for st, p in order(out) if st == s}) for s in (1, 2)}  # noqa: E731
     assert by_step(tmp_path / "two") == by_step(tmp_path / "one")
     assert two[1]["reflect/count"] > 0 and two[1]["abstract/count"] > 0
+
+
+def test_two_processes_make_principles_ahead_for_each_others_problems(tiny_model_dir, tmp_path):
+    """--abstract-ahead under 2 processes: each makes the next step's principles for its own problems inside
+    its sampling call, and the cache entries reach both ranks, so step 3's abstraction rollouts run on both."""
+    runs = _launch(tmp_path, tiny_model_dir, tmp_path / "ahead", 2, "--steps", "3", "--eval-every", "0",
+                   "--abstract-ahead")
+    assert [r["principles_made"] > 0 for r in runs] == [False, True, False]
+    # step 3: every problem has both kinds, so n = 2 feedback rollouts split into 1 reflection + 1 abstraction
+    assert runs[1]["abstract/count"] == 0 and runs[2]["abstract/count"] == 4
+    assert runs[2]["principles_cached"] == 4  # every problem of step 3, over both ranks
+    pool0 = (tmp_path / "ahead" / "pool-rank0.jsonl").read_text()
+    assert pool0 == (tmp_path / "ahead" / "pool-rank1.jsonl").read_text()
