@@ -92,6 +92,12 @@ class AbstractionStats:
     time_abstraction: float = 0.0
 
 
+def fresh_entry(cache: dict, problem_id: str, step: int, refresh: int) -> dict | None:
+    """A problem's lessons-cache entry if it was made less than `refresh` steps before `step`, else None."""
+    hit = cache.get(problem_id)
+    return hit if hit is not None and step - hit["step"] < refresh else None
+
+
 @dataclass
 class PendingLessons:
     """Lessons half made: served from the cache, or judged and waiting for their principles to be generated."""
@@ -114,8 +120,8 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
 
     t0 = time.perf_counter()
     for p in problems:
-        hit = cache.get(p["id"])
-        if hit is not None and step - hit["step"] < refresh:
+        hit = fresh_entry(cache, p["id"], step, refresh)
+        if hit is not None:
             if hit["lessons"]:
                 lessons[p["id"]] = hit["lessons"]
             stats.cached += 1

@@ -890,8 +890,8 @@ def lessons_for_step(run: Run, problems: list[dict], step: int) -> tuple[dict[st
     if not wants_lessons(cfg):
         return {}, abstract.AbstractionStats()
     if cfg.abstract_ahead:
-        hits = {p["id"]: run.lessons_cache.get(p["id"]) for p in problems}
-        hits = {i: h for i, h in hits.items() if h is not None and step - h["step"] < cfg.abstract_refresh}
+        hits = {p["id"]: abstract.fresh_entry(run.lessons_cache, p["id"], step, cfg.abstract_refresh) for p in problems}
+        hits = {i: h for i, h in hits.items() if h is not None}
         return ({i: h["lessons"] for i, h in hits.items() if h["lessons"]},
                 abstract.AbstractionStats(cached=len(hits)))
     with run.full_weights():  # processes make different numbers of forwards

@@ -5,6 +5,7 @@ Shared by training, evaluation and abstraction, so every path samples and scores
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ class Completion:
     text: str                     # decoded completion, special tokens dropped
 
 
+@functools.cache
 def _cache_kwarg() -> str:
     """The name generate() and forward() take a KV cache under: `cache` in newer transformers, where
     `past_key_values` is deprecated; `past_key_values` before."""

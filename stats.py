@@ -1,5 +1,6 @@
 """Uncertainty for accuracies: bootstrap intervals over problems (and seeds), paired differences with a
 p-value. Used by evaluate.py (summary.md, --compare), plot.py (bands over seeds) and bench/learning.py.
+`median_ratio_interval` does the same for timings (bench/: step times, tokens per second).
 
 Every function takes per-problem scores (a verdict, avg@k over k samples, ...); `groups` are independent
 sets of problems, e.g. one per training seed, and the bootstrap resamples the groups, then the problems
@@ -65,6 +66,15 @@ def paired_difference(a_groups, b_groups, level: float = 0.95, resamples: int = 
     diff, low, high, means = _percentile_interval(diffs, level, resamples, seed)
     p = min(1.0, 2 * min(np.mean(means <= 0), np.mean(means >= 0)))
     return {"diff": diff, "low": low, "high": high, "p": float(p)}
+
+
+def median_ratio_interval(a: list[float], b: list[float], draws: int = RESAMPLES,
+                          seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of median(a) / median(b), resampling each side's measurements."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(a), np.asarray(b)
+    ratios = [np.median(rng.choice(a, a.size)) / np.median(rng.choice(b, b.size)) for _ in range(draws)]
+    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
 
 def fmt(mean: float, low: float, high: float) -> str:

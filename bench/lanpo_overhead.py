@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
-from vs_trl import ratio_interval  # noqa: E402  (median ratio, steps resampled)
+import stats  # noqa: E402
 
 
 def run(out: Path, feedback: str, args, extra: list[str]) -> list[dict]:
@@ -81,7 +81,7 @@ def main() -> None:
         "cache_saved_s_estimate": sum(r["principles_cached"] for r in lanpo) * per_distillation / max(1, len(lanpo)),
     }
     result["ratio"] = result["lanpo_step_s"] / result["grpo_step_s"]
-    result["ratio_95"] = ratio_interval(timed(lanpo, "time_step"), timed(grpo, "time_step"))
+    result["ratio_95"] = stats.median_ratio_interval(timed(lanpo, "time_step"), timed(grpo, "time_step"))
     print(f"B={args.batch_problems} G={args.group_size}, {args.rounds} rounds x {args.steps} steps each (step 1 not "
           f"counted); flags both: {args.both_flags or '-'}, LANPO: {args.lanpo_flags or '-'}")
     print(f"median step: GRPO {result['grpo_step_s']:.1f} s, LANPO {result['lanpo_step_s']:.1f} s, "

@@ -29,17 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import models  # noqa: E402
 import prompts  # noqa: E402
+import stats  # noqa: E402
 from grpo import completion_mask  # noqa: E402
 from reflect import reflection_prompt  # noqa: E402
 from rollout import generate_completions  # noqa: E402
-
-
-def ratio_interval(ours: list[float], bare: list[float], draws: int = 10_000) -> tuple[float, float]:
-    """95 % bootstrap interval of median(ours) / median(bare), resampling each side's rounds."""
-    rng = np.random.default_rng(0)
-    a, b = np.asarray(ours), np.asarray(bare)
-    ratios = [np.median(rng.choice(a, a.size)) / np.median(rng.choice(b, b.size)) for _ in range(draws)]
-    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
 
 def main() -> None:
@@ -98,7 +91,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 tokens = fn(texts)
                 rates[side].append(tokens / (time.perf_counter() - t0))
-        low, high = ratio_interval(rates["ours"], rates["bare"])
+        low, high = stats.median_ratio_interval(rates["ours"], rates["bare"])
         prompt_tokens = float(np.mean([len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]))
         result[name] = {"ours": float(np.median(rates["ours"])), "bare": float(np.median(rates["bare"])),
                         "ratio_95": [low, high], "prompt_tokens": prompt_tokens, "runs": rates}

@@ -75,14 +75,6 @@ json.dump({{"step_times": times, "records": records, "seen_ids": seen_ids}}, ope
 SPLIT = ("time_generate", "time_grade", "time_logprob", "time_update")  # lanpo's metrics of each step
 
 
-def ratio_interval(ours: list[float], theirs: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """95 % bootstrap interval of median(ours) / median(theirs), resampling each side's steps."""
-    rng = np.random.default_rng(seed)
-    a, b = np.asarray(ours), np.asarray(theirs)
-    ratios = [np.median(rng.choice(a, a.size)) / np.median(rng.choice(b, b.size)) for _ in range(draws)]
-    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
-
-
 def run_child(cmd: list[str], env: dict) -> float:
     """Run a command to completion; return its peak resident memory in MB."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -105,6 +97,7 @@ def main() -> None:
 
     import data
     import models
+    import stats
 
     model_dir = str(models.embedded_model_dir())
     work = Path(tempfile.mkdtemp(prefix="vs_trl_"))
@@ -134,7 +127,7 @@ def main() -> None:
         script.write_text(TRL_RUN.format(root=str(ROOT)))
         trl_rss.append(run_child([sys.executable, str(script), json.dumps(spec)], env))
         trl_times += json.loads(Path(spec["result"]).read_text())["step_times"][1:]
-    low, high = ratio_interval(ours_times, trl_times)
+    low, high = stats.median_ratio_interval(ours_times, trl_times)
     result = {
         "config": vars(args), "ours_step_s": ours_times, "trl_step_s": trl_times, "ours_split_s": ours_split,
         "ours_median_s": float(np.median(ours_times)), "trl_median_s": float(np.median(trl_times)),

@@ -19,14 +19,19 @@ def group_prompts(tokenizer, group_size: int) -> list[str]:
     return [t for t in texts for _ in range(group_size)]
 
 
-def test_shared_prefill_gives_the_plain_paths_logits_at_every_step(tiny):
-    model, tokenizer = tiny
-    model.eval()
-    chunk = group_prompts(tokenizer, 4)
+def encoded_groups(tokenizer, group_size: int):
+    """The distinct prompts encoded once, each output row's distinct prompt, and the rows' ids and mask."""
+    chunk = group_prompts(tokenizer, group_size)
     distinct = list(dict.fromkeys(chunk))
     rows = [distinct.index(t) for t in chunk]
     enc = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
-    ids, mask = enc.input_ids[rows], enc.attention_mask[rows]
+    return enc, rows, enc.input_ids[rows], enc.attention_mask[rows]
+
+
+def test_shared_prefill_gives_the_plain_paths_logits_at_every_step(tiny):
+    model, tokenizer = tiny
+    model.eval()
+    enc, rows, ids, mask = encoded_groups(tokenizer, 4)
     settings = dict(do_sample=False, max_new_tokens=10, output_logits=True, return_dict_in_generate=True,
                     pad_token_id=tokenizer.pad_token_id, eos_token_id=[], min_new_tokens=10)
     plain = model.generate(input_ids=ids, attention_mask=mask, **settings)
@@ -43,11 +48,7 @@ def test_shared_prefill_logits_differ_when_cache_rows_are_misassigned(tiny):
     """The check above can fail: the same comparison with the cache rows of two prompts swapped."""
     model, tokenizer = tiny
     model.eval()
-    chunk = group_prompts(tokenizer, 2)
-    distinct = list(dict.fromkeys(chunk))
-    rows = [distinct.index(t) for t in chunk]
-    enc = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
-    ids, mask = enc.input_ids[rows], enc.attention_mask[rows]
+    enc, rows, ids, mask = encoded_groups(tokenizer, 2)
     settings = dict(do_sample=False, max_new_tokens=1, output_logits=True, return_dict_in_generate=True,
                     pad_token_id=tokenizer.pad_token_id)
     plain = model.generate(input_ids=ids, attention_mask=mask, **settings)

@@ -59,3 +59,14 @@ def test_mismatched_or_empty_inputs_are_refused():
         stats.paired_difference([[1, 0, 1]], [[1, 0]])
     with pytest.raises(ValueError, match="no empty group"):
         stats.interval([[1.0], []])
+
+
+def test_median_ratio_interval_of_timings():
+    """Constant timings give a zero-width interval at their ratio; noisy ones an interval around the ratio of
+    medians that narrows with more measurements."""
+    assert stats.median_ratio_interval([2.0] * 5, [1.0] * 7) == (2.0, 2.0)
+    rng = np.random.default_rng(1)
+    few = stats.median_ratio_interval(rng.normal(30, 3, 6), rng.normal(20, 2, 6))
+    many = stats.median_ratio_interval(rng.normal(30, 3, 200), rng.normal(20, 2, 200))
+    assert few[0] < 1.5 < few[1] and many[0] < 1.5 < many[1]
+    assert many[1] - many[0] < (few[1] - few[0]) / 2
