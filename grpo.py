@@ -1,9 +1,12 @@
 """The numerical core of GRPO: advantages, completion masks, per-token log-probs and the clipped policy loss.
 
-Pure functions on tensors (plus one model forward in `token_logprobs`); no loading, no I/O, no config.
+Pure functions on tensors (plus the model forwards in `completion_logits`); no loading, no I/O, no config.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 
@@ -64,29 +67,74 @@ def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> tuple[
     return torch.stack(logps), torch.stack(entropies)
 
 
+@functools.cache
+def cache_kwarg() -> str:
+    """The name generate() and forward() take a KV cache under: `cache` in newer transformers, where
+    `past_key_values` is deprecated; `past_key_values` before."""
+    from transformers import GenerationMixin
+    return "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
+        else "past_key_values"
+
+
 def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                      temperature: float = 1.0) -> torch.Tensor:
+                      temperature: float = 1.0, share_prompts: bool = False) -> torch.Tensor:
     """Logits [N, C, V] at the C positions that predict the completion tokens of [left-padded prompt |
-    completion] rows, divided by the sampling temperature (the sampled distribution was softmax(logits / T))."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                   logits_to_keep=n_completion + 1).logits[:, :-1, :]
+    completion] rows, divided by the sampling temperature (the sampled distribution was softmax(logits / T)).
+
+    share_prompts: every distinct prompt goes through the model once and its rows' completions attend to
+    its KV cache (`shared_prompt_logits`), instead of each row encoding its own copy. The same function
+    of the weights, gradient included, up to float rounding; less compute where prompts repeat."""
+    if share_prompts:
+        logits = shared_prompt_logits(model, input_ids, attention_mask, n_completion)
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                       logits_to_keep=n_completion + 1).logits[:, :-1, :]
     return logits / temperature if temperature != 1.0 else logits
 
 
+def shared_prompt_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         n_completion: int) -> torch.Tensor:
+    """`completion_logits` in two forwards: the distinct prompts without their last token, once each, into a
+    KV cache whose rows are then copied to the rows that repeat them (an indexing op, so the gradient of
+    every copy flows back into the one prompt forward); then every row's last prompt token and completion,
+    attending to that cache. Always two forwards, whatever repeats, so that processes whose forwards are
+    collective (ZeRO-3, FSDP) make the same calls."""
+    from transformers import DynamicCache
+    split = input_ids.shape[1] - n_completion - 1  # the columns encoded once per distinct prompt
+    if split < 1:
+        raise ValueError("sharing prompts in the update needs prompts of at least 2 tokens")
+    if torch.is_grad_enabled() and model.training and any(
+            getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise ValueError("gradient checkpointing runs layers without their KV cache: prompts cannot be shared")
+    key = torch.cat([input_ids[:, :split], attention_mask[:, :split]], dim=1)
+    _, rows = torch.unique(key, dim=0, return_inverse=True)
+    order = torch.arange(len(rows), device=rows.device)
+    first = torch.full((int(rows.max()) + 1,), len(rows), device=rows.device).scatter_reduce(0, rows, order, "amin")
+    cache, prefix_mask = DynamicCache(), attention_mask[first, :split]
+    model(input_ids=input_ids[first, :split], attention_mask=prefix_mask, position_ids=position_ids(prefix_mask),
+          use_cache=True, logits_to_keep=1, **{cache_kwarg(): cache})
+    cache.batch_select_indices(rows)
+    return model(input_ids=input_ids[:, split:], attention_mask=attention_mask,
+                 position_ids=position_ids(attention_mask)[:, split:], use_cache=True,
+                 logits_to_keep=n_completion + 1, **{cache_kwarg(): cache}).logits[:, :-1, :]
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
-                   micro_batch: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   micro_batch: int, temperature: float = 1.0,
+                   share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature.
 
     input_ids is [left-padded prompt | completion], so every row's completion starts at the same column
     P = T - C. Only the C positions that predict completion tokens go through the LM head
     (`logits_to_keep`), in micro-batches of `micro_batch` rows. Masked positions come back as 0.
-    Gradients flow when called under grad mode.
+    Gradients flow when called under grad mode. share_prompts: see `completion_logits`.
     """
     n_completion = completion_mask.shape[1]
     logps, entropies = [], []
     for start in range(0, input_ids.shape[0], micro_batch):
         rows = slice(start, start + micro_batch)
-        logits = completion_logits(model, input_ids[rows], attention_mask[rows], n_completion, temperature)
+        logits = completion_logits(model, input_ids[rows], attention_mask[rows], n_completion, temperature,
+                                   share_prompts)
         lp, ent = selective_log_softmax(logits, input_ids[rows, -n_completion:])
         logps.append(lp)
         entropies.append(ent)

@@ -107,6 +107,11 @@ class Config:
     max_grad_norm: float = _f(1.0, "clip the global gradient norm (0 = off)")
     ppo_epochs: int = _f(1, "mu: optimizer updates per batch of rollouts (old log-probs computed once when > 1)")
     micro_batch: int = _f(8, "rollouts per forward/backward; B*G must be a multiple")
+    share_prompt_forward: bool = _f(True, "in the update, run a prompt repeated within a micro-batch (a group's G "
+                                    "rollouts) through the model once and let its rows' completions attend to its "
+                                    "KV cache: the same loss and gradient, less compute. Turned off (and said) under "
+                                    "--gradient-checkpointing, where transformers runs layers without a cache, and "
+                                    "FSDP2, which reshards a layer before the backward pass reaches its prompt part")
     loss_type: str = _f("grpo", "token averaging: grpo (per sequence), dapo (per token), dr_grpo (fixed length)",
                         choices=["grpo", "dapo", "dr_grpo"])
     adv_scale: str = _f("group", "advantage scale: group std (GRPO), batch std, or none (Dr. GRPO)",
@@ -474,10 +479,12 @@ class Forward:
 
 
 def micro_batches(model, ref_model, b: UpdateBatch, cfg: Config, pad_id: int, device) -> list[MicroBatch]:
-    """The batch in micro-batches, sorted by length so they pad little (the loss, a sum over the batch,
-    does not depend on order), with the log-probs that stay fixed through the update computed once."""
+    """The batch in micro-batches, sorted by prompt so that they pad little and rows repeating a prompt sit
+    together (the loss, a sum over the batch, does not depend on order), with the log-probs that stay fixed
+    through the update computed once."""
     rows = b.completions
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i].prompt_ids) + len(rows[i].completion_ids))
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i].prompt_ids), rows[i].prompt_ids.tolist(),
+                                                    len(rows[i].completion_ids)))
     out = []
     for start in range(0, len(order), cfg.micro_batch):
         idx = order[start:start + cfg.micro_batch]
@@ -485,13 +492,14 @@ def micro_batches(model, ref_model, b: UpdateBatch, cfg: Config, pad_id: int, de
         with torch.no_grad():
             if b.behaviour is not None:  # the same rows, on the prompt each was sampled with
                 sampled = pack([rows[i] if b.behaviour[i] is None else b.behaviour[i] for i in idx], pad_id, device)
-                mb.sampling_logps = grpo.token_logprobs(model, *sampled, cfg.micro_batch, cfg.temperature)[0]
+                mb.sampling_logps = grpo.token_logprobs(model, *sampled, cfg.micro_batch, cfg.temperature,
+                                                        cfg.share_prompt_forward)[0]
                 mb.off_policy = torch.tensor([b.behaviour[i] is not None for i in idx], device=device)
             if cfg.feedback_grad == "strip" and b.behaviour is not None:
                 mb.old_logps = mb.sampling_logps  # pi(y | plain) / pi(y | feedback): off-policy samples
             elif cfg.ppo_epochs > 1:  # on-policy with one epoch the ratio is exactly 1: no forward needed
                 mb.old_logps = grpo.token_logprobs(model, mb.ids, mb.attn, mb.cmask, cfg.micro_batch,
-                                                   cfg.temperature)[0]
+                                                   cfg.temperature, cfg.share_prompt_forward)[0]
             if cfg.beta > 0:
                 mb.ref_logps = reference_logprobs(model, ref_model, mb.ids, mb.attn, mb.cmask, cfg)
         if b.teachers is not None:
@@ -509,8 +517,10 @@ def forward(model, mb: MicroBatch, cfg: Config) -> Forward:
     if mb.teacher_inputs is not None:
         with torch.no_grad():
             teacher_logps, teacher_ids = distill.teacher_logprobs(grpo.completion_logits(
-                model, *mb.teacher_inputs, mb.cmask.shape[1], cfg.temperature), cfg.self_distill_topk)
-    logits = grpo.completion_logits(model, mb.ids, mb.attn, mb.cmask.shape[1], cfg.temperature)
+                model, *mb.teacher_inputs, mb.cmask.shape[1], cfg.temperature, cfg.share_prompt_forward),
+                cfg.self_distill_topk)
+    logits = grpo.completion_logits(model, mb.ids, mb.attn, mb.cmask.shape[1], cfg.temperature,
+                                    cfg.share_prompt_forward)
     logps, entropy = grpo.selective_log_softmax(logits, mb.ids[:, -mb.cmask.shape[1]:])
     mask = mb.cmask.to(logps.dtype)
     logps, entropy = logps * mask, entropy * mask
@@ -566,7 +576,8 @@ def feedback_model_loss(model, texts: list[tuple[Completion, float]], cfg: Confi
     supervised target, not a sample), on a micro-batch of its own texts."""
     ids, attn, cmask = pack([c for c, _ in texts], pad_id, device)
     text_weights = torch.tensor([w for _, w in texts], device=device)
-    target_logps = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch)[0]
+    target_logps = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch,
+                                       share_prompts=cfg.share_prompt_forward)[0]
     loss, nll = distill.feedback_model_loss(target_logps, text_weights, cfg.feedback_model_coef,
                                             window["feedback_tokens"])
     n_tokens = (cmask.sum(dim=1) * text_weights).sum().item()
@@ -678,8 +689,10 @@ def reference_logprobs(model, ref_model, ids, attn, cmask, cfg: Config) -> torch
     else the frozen initial copy."""
     if ref_model is None:
         with model.disable_adapter():
-            return grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch, cfg.temperature)[0]
-    return grpo.token_logprobs(ref_model, ids, attn, cmask, cfg.micro_batch, cfg.temperature)[0]
+            return grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch, cfg.temperature,
+                                       cfg.share_prompt_forward)[0]
+    return grpo.token_logprobs(ref_model, ids, attn, cmask, cfg.micro_batch, cfg.temperature,
+                               cfg.share_prompt_forward)[0]
 
 
 def evaluate_accuracy(run: Run, step: int) -> dict[str, float]:
@@ -803,6 +816,10 @@ def setup(cfg: Config) -> Run:
     accelerator = Accelerator(cpu=cfg.cpu, step_scheduler_with_optimizer=False, mixed_precision="bf16" if (
         cfg.dtype == "bf16-mixed" or (cfg.dtype == "auto" and on_gpu)) else "no")
     distributed.check_launch(accelerator, cfg)
+    if cfg.share_prompt_forward and (cfg.gradient_checkpointing or accelerator.is_fsdp2):
+        accelerator.print("--share-prompt-forward is off: it needs a KV cache through the backward pass, which "
+                          "gradient checkpointing drops and FSDP2 frees")
+        cfg = dataclasses.replace(cfg, share_prompt_forward=False)
     out_dir = Path(cfg.out_dir)
     resume_from = rundir.check_out_dir(cfg, out_dir)
     rundir.check_wandb(cfg)

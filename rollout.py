@@ -5,14 +5,12 @@ Shared by training, evaluation and abstraction, so every path samples and scores
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from grpo import completion_mask, position_ids
+from grpo import cache_kwarg, completion_mask, position_ids
 
 
 @dataclass
@@ -21,15 +19,6 @@ class Completion:
     completion_ids: torch.Tensor  # [C_i] generated tokens up to and including the first EOS
     truncated: bool               # no EOS within max_new_tokens
     text: str                     # decoded completion, special tokens dropped
-
-
-@functools.cache
-def _cache_kwarg() -> str:
-    """The name generate() and forward() take a KV cache under: `cache` in newer transformers, where
-    `past_key_values` is deprecated; `past_key_values` before."""
-    from transformers import GenerationMixin
-    return "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
-        else "past_key_values"
 
 
 @torch.no_grad()
@@ -44,7 +33,7 @@ def shared_prefill(model, enc, rows: list[int]):
     cache = DynamicCache()
     mask = enc.attention_mask[:, :-1]
     model(input_ids=enc.input_ids[:, :-1], attention_mask=mask, position_ids=position_ids(mask),
-          use_cache=True, logits_to_keep=1, **{_cache_kwarg(): cache})
+          use_cache=True, logits_to_keep=1, **{cache_kwarg(): cache})
     cache.batch_select_indices(torch.tensor(rows, device=enc.input_ids.device))
     return cache
 
@@ -105,7 +94,7 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
         if shared:
             position = {text: i for i, text in enumerate(distinct)}
             rows = [position[text] for text in chunk]
-            cache = {_cache_kwarg(): shared_prefill(model, enc, rows)}
+            cache = {cache_kwarg(): shared_prefill(model, enc, rows)}
             index = torch.tensor(rows, device=enc.input_ids.device)
             enc = {"input_ids": enc.input_ids[index], "attention_mask": enc.attention_mask[index]}
         input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]

@@ -83,7 +83,8 @@ def truncate_metrics(path: Path, done_steps: int) -> None:
 
 # settings a resumed run may change: its training stays the same
 RESUMABLE = ("resume", "out_dir", "steps", "save_every", "keep_last", "final_checkpoint", "eval_every",
-             "eval_at_start", "report_to", "wandb_project", "max_bad_updates")
+             "eval_at_start", "report_to", "wandb_project", "max_bad_updates",
+             "share_prefill", "share_prompt_forward")  # the same sampling and gradient, another float order
 
 
 def check_out_dir(cfg, out_dir: Path) -> Path | None:

@@ -81,8 +81,12 @@ def test_engine_steps_schedule_pools_and_checkpoints(run, engine):
 
 @pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp"])
 def test_engine_trains_like_ddp(run, engine):
-    """Same per-step loss and grad-norm (and every other metric), same pool, same final weights."""
-    out, ddp = run(engine), run("ddp")
+    """Same per-step loss and grad-norm (and every other metric), same pool, same final weights. FSDP2 turns
+    the update's prompt sharing off (it frees what the shared prompt's backward needs), so its DDP twin
+    runs without it too: the same maths, but another float order than the tolerances allow for."""
+    unshared = json.loads((run(engine) / "config.json").read_text())["share_prompt_forward"] is False
+    assert unshared == (engine == "fsdp")
+    out, ddp = run(engine), run("ddp", *(["--no-share-prompt-forward"] if unshared else []))
     _same_numbers(metrics(out), metrics(ddp), rel=1e-4)
     assert (out / "pool-rank0.jsonl").read_bytes() == (ddp / "pool-rank0.jsonl").read_bytes()
     mine, theirs = final_weights(out), final_weights(ddp)

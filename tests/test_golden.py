@@ -10,18 +10,22 @@ import pytest
 from conftest import ROOT
 from golden_runs import RUNS, fingerprint
 
+# Each run as recorded (rel 1e-5), and the run with the most forwards (teacher, reference, old log-probs,
+# feedback modelling) without the update's prompt sharing, which is the same maths in another float order
+CASES = [(name, [], 1e-5, 1e-8) for name in RUNS] + [("context-kl-epochs", ["--no-share-prompt-forward"], 1e-4, 1e-7)]
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_run_reproduces_its_recorded_fingerprint(tiny_model_dir, tmp_path, name):
+
+@pytest.mark.parametrize(("name", "extra", "rel", "abs_"), CASES)
+def test_run_reproduces_its_recorded_fingerprint(tiny_model_dir, tmp_path, name, extra, rel, abs_):
     want = json.loads((ROOT / "tests" / "golden" / f"{name}.json").read_text())
-    got = fingerprint(tiny_model_dir, tmp_path / name, RUNS[name])
+    got = fingerprint(tiny_model_dir, tmp_path / name, RUNS[name] + extra)
     assert got["pool"] == want["pool"]  # the same prompts kinds, feedback texts, sampled responses, rewards
     assert len(got["metrics"]) == len(want["metrics"])
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"]), 1):
         # every recorded metric reproduces (metrics added later, e.g. eval intervals, are not pinned here);
         # grader_timeouts counts over the whole test process, not this run
         w = {k: v for k, v in w.items() if k != "grader_timeouts"}
-        assert {k: g.get(k) for k in w} == pytest.approx(w, rel=1e-5, abs=1e-8), f"step {step}"
+        assert {k: g.get(k) for k in w} == pytest.approx(w, rel=rel, abs=abs_), f"step {step}"
     assert list(got["weights"]) == list(want["weights"])
     for tensor, sums in want["weights"].items():
-        assert got["weights"][tensor] == pytest.approx(sums, rel=1e-5), tensor
+        assert got["weights"][tensor] == pytest.approx(sums, rel=rel), tensor

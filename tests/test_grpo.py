@@ -140,3 +140,77 @@ def test_token_logprobs_match_naive_and_ignore_left_padding(tiny):
             assert torch.all(got[i, k:] == 0) and torch.all(entropy[i, :k] > 0)
             probs = torch.softmax(logits.float(), -1)
             assert torch.allclose(entropy[i, :k], -(probs * probs.log()).sum(-1), atol=1e-4)
+
+
+def repeated_prompt_batch(tokenizer):
+    """Three prompts of different lengths, repeated 3, 2 and 1 times, with completions of different lengths:
+    rows that share a prompt are left-padded alike, and one prompt repeats nowhere."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (p,), generator=g) for p in (6, 11, 2)]
+    comps = [Completion(prompts[i], torch.randint(3, 300, (k,), generator=g), False, "")
+             for i, k in ((0, 4), (1, 2), (0, 6), (2, 5), (1, 6), (0, 1))]
+    return pack(comps, tokenizer.pad_token_id, "cpu")
+
+
+def logits_and_gradients(model, ids, attn, cmask, share: bool):
+    """The completion logits and the gradient of a weighted sum of the completion log-probs."""
+    model.zero_grad(set_to_none=True)
+    logits = grpo.completion_logits(model, ids, attn, cmask.shape[1], 0.7, share_prompts=share)
+    logps, _ = grpo.selective_log_softmax(logits, ids[:, -cmask.shape[1]:])
+    weights = torch.linspace(-1.0, 2.0, logps.numel()).view_as(logps)
+    (logps * cmask * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)  # the model is shared by the session's tests
+    return logits.detach(), grads
+
+
+def test_shared_prompt_forward_gives_the_plain_logits_and_gradients(tiny):
+    model, tokenizer = tiny
+    model.train()
+    ids, attn, cmask = repeated_prompt_batch(tokenizer)
+    plain_logits, plain_grads = logits_and_gradients(model, ids, attn, cmask, share=False)
+    shared_logits, shared_grads = logits_and_gradients(model, ids, attn, cmask, share=True)
+    keep = cmask.bool()
+    torch.testing.assert_close(shared_logits[keep], plain_logits[keep], atol=1e-5, rtol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():  # token_logprobs in micro-batches takes the same path
+        a = grpo.token_logprobs(model, ids, attn, cmask, micro_batch=4, share_prompts=True)[0]
+        b = grpo.token_logprobs(model, ids, attn, cmask, micro_batch=4)[0]
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_gradient_check_fails_when_copies_do_not_carry_gradient(tiny, monkeypatch):
+    """The gradient comparison above can fail: with the copied cache rows detached, the prompt tokens'
+    share of the gradient is lost and the attention and MLP weights' gradients differ."""
+    from transformers import DynamicCache
+
+    model, tokenizer = tiny
+    model.train()
+    ids, attn, cmask = repeated_prompt_batch(tokenizer)
+    _, plain_grads = logits_and_gradients(model, ids, attn, cmask, share=False)
+    select = DynamicCache.batch_select_indices
+
+    def detached(self, indices):
+        select(self, indices)
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
+
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", detached)
+    _, cut_grads = logits_and_gradients(model, ids, attn, cmask, share=True)
+    differs = [n for n, g in plain_grads.items() if not torch.allclose(cut_grads[n], g, atol=1e-6, rtol=1e-4)]
+    assert any("mlp" in n for n in differs) and any("k_proj" in n for n in differs)
+
+
+def test_shared_prompt_forward_refuses_gradient_checkpointing(tiny_model_dir):
+    """transformers drops the KV cache of a checkpointed layer under grad: sharing would score completions
+    without their prompt, so it stops instead."""
+    import models
+
+    tokenizer = models.load_tokenizer(str(tiny_model_dir))
+    model = models.load_policy(str(tiny_model_dir), torch.float32, gradient_checkpointing=True).train()
+    ids, attn, cmask = repeated_prompt_batch(tokenizer)
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        grpo.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)
+    with torch.no_grad():  # without gradient the layers run as they are, cache included
+        grpo.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import prompts
-from rollout import _cache_kwarg, generate_completions, shared_prefill
+from grpo import cache_kwarg
+from rollout import generate_completions, shared_prefill
 
 QUESTIONS = ["What is 2 + 5?", "Tom has 12 apples and gets 3 more in total today. How many apples now?", "Is 7 odd?"]
 
@@ -36,7 +37,7 @@ def test_shared_prefill_gives_the_plain_paths_logits_at_every_step(tiny):
                     pad_token_id=tokenizer.pad_token_id, eos_token_id=[], min_new_tokens=10)
     plain = model.generate(input_ids=ids, attention_mask=mask, **settings)
     shared = model.generate(input_ids=ids, attention_mask=mask, **settings,
-                            **{_cache_kwarg(): shared_prefill(model, enc, rows)})
+                            **{cache_kwarg(): shared_prefill(model, enc, rows)})
     assert torch.equal(plain.sequences, shared.sequences)
     assert len(plain.logits) == len(shared.logits) == 10
     for step, (a, b) in enumerate(zip(plain.logits, shared.logits)):
@@ -54,7 +55,7 @@ def test_shared_prefill_logits_differ_when_cache_rows_are_misassigned(tiny):
     plain = model.generate(input_ids=ids, attention_mask=mask, **settings)
     wrong = [1 - r if r < 2 else r for r in rows]
     swapped = model.generate(input_ids=ids, attention_mask=mask, **settings,
-                             **{_cache_kwarg(): shared_prefill(model, enc, wrong)})
+                             **{cache_kwarg(): shared_prefill(model, enc, wrong)})
     assert not torch.allclose(plain.logits[0][:4], swapped.logits[0][:4], atol=1e-3)
 
 
