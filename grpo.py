@@ -81,9 +81,9 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """Logits [N, C, V] at the C positions that predict the completion tokens of [left-padded prompt |
     completion] rows, divided by the sampling temperature (the sampled distribution was softmax(logits / T)).
 
-    share_prompts: every distinct prompt goes through the model once and its rows' completions attend to
-    its KV cache (`shared_prompt_logits`), instead of each row encoding its own copy. The same function
-    of the weights, gradient included, up to float rounding; less compute where prompts repeat."""
+    share_prompts: the prefix all prompts share goes through the model once, every distinct prompt once, and
+    the rows' completions attend to their KV cache (`shared_prompt_logits`), instead of each row encoding its
+    own copy. The same function of the weights, gradient included, up to float rounding; less compute."""
     if share_prompts:
         logits = shared_prompt_logits(model, input_ids, attention_mask, n_completion)
     else:
@@ -92,31 +92,59 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return logits / temperature if temperature != 1.0 else logits
 
 
+def hoist_common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        n_prompt: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """[left pad | prompt | completion] rows -> [prefix every prompt starts with | pad | rest of the prompt |
+    completion], and the prefix length k. The prefix is capped so that every prompt keeps at least one token
+    after it and the last prompt token stays in column n_prompt - 1. Positions counted over real tokens
+    (`position_ids`) are unchanged, so the rows mean the same to the model; the prefix now sits in the same
+    columns of every row, where one forward can serve all of them."""
+    lengths = attention_mask[:, :n_prompt].sum(dim=1)
+    shortest = int(lengths.min())
+    starts = n_prompt - lengths
+    heads = input_ids.gather(1, starts[:, None] + torch.arange(shortest - 1, device=input_ids.device))
+    differs = (heads != heads[:1]).any(dim=0).tolist() + [True]
+    k = min(differs.index(True), n_prompt - 2)
+    if k < 1:
+        return input_ids, attention_mask, 0
+    ids, mask = input_ids.clone(), attention_mask.clone()
+    for row, start in enumerate(starts.tolist()):  # move the row's left padding from before its prefix to after it
+        ids[row, :k], ids[row, k:start + k] = input_ids[row, start:start + k], input_ids[row, :start]
+        mask[row, :k], mask[row, k:start + k] = 1, 0
+    return ids, mask, k
+
+
 def shared_prompt_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          n_completion: int) -> torch.Tensor:
-    """`completion_logits` in two forwards: the distinct prompts without their last token, once each, into a
-    KV cache whose rows are then copied to the rows that repeat them (an indexing op, so the gradient of
-    every copy flows back into the one prompt forward); then every row's last prompt token and completion,
-    attending to that cache. Always two forwards, whatever repeats, so that processes whose forwards are
-    collective (ZeRO-3, FSDP) make the same calls."""
+    """`completion_logits` as a prefix tree of three forwards, each attending to the KV cache of the one before:
+    (1) the prefix every prompt of the batch starts with (the chat template's system turn and worked
+    example), once; (2) the rest of each distinct prompt without its last token, once per distinct prompt;
+    (3) every row's last prompt token and completion. Between forwards the cache's rows are copied by
+    indexing, so the gradient of every copy flows back into the one forward that made it. Always three
+    forwards, whatever repeats, so that processes whose forwards are collective (ZeRO-3) make the same calls."""
     from transformers import DynamicCache
-    split = input_ids.shape[1] - n_completion - 1  # the columns encoded once per distinct prompt
-    if split < 1:
-        raise ValueError("sharing prompts in the update needs prompts of at least 2 tokens")
+    split = input_ids.shape[1] - n_completion - 1  # columns before each row's last prompt token
     if torch.is_grad_enabled() and model.training and any(
             getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ValueError("gradient checkpointing runs layers without their KV cache: prompts cannot be shared")
-    key = torch.cat([input_ids[:, :split], attention_mask[:, :split]], dim=1)
+    ids, mask, k = hoist_common_prefix(input_ids, attention_mask, split + 1)
+    if k < 1:
+        raise ValueError("sharing prompts in the update needs prompts that start alike (a chat template) and "
+                         "have at least 3 tokens: use --no-share-prompt-forward")
+    positions, name = position_ids(mask), cache_kwarg()
+    key = torch.cat([ids[:, k:split], mask[:, k:split]], dim=1)
     _, rows = torch.unique(key, dim=0, return_inverse=True)
     order = torch.arange(len(rows), device=rows.device)
     first = torch.full((int(rows.max()) + 1,), len(rows), device=rows.device).scatter_reduce(0, rows, order, "amin")
-    cache, prefix_mask = DynamicCache(), attention_mask[first, :split]
-    model(input_ids=input_ids[first, :split], attention_mask=prefix_mask, position_ids=position_ids(prefix_mask),
-          use_cache=True, logits_to_keep=1, **{cache_kwarg(): cache})
+    cache = DynamicCache()
+    model(input_ids=ids[:1, :k], attention_mask=mask[:1, :k], position_ids=positions[:1, :k], use_cache=True,
+          logits_to_keep=1, **{name: cache})
+    cache.batch_select_indices(torch.zeros_like(first))
+    model(input_ids=ids[first, k:split], attention_mask=mask[first, :split], position_ids=positions[first, k:split],
+          use_cache=True, logits_to_keep=1, **{name: cache})
     cache.batch_select_indices(rows)
-    return model(input_ids=input_ids[:, split:], attention_mask=attention_mask,
-                 position_ids=position_ids(attention_mask)[:, split:], use_cache=True,
-                 logits_to_keep=n_completion + 1, **{cache_kwarg(): cache}).logits[:, :-1, :]
+    return model(input_ids=ids[:, split:], attention_mask=mask, position_ids=positions[:, split:], use_cache=True,
+                 logits_to_keep=n_completion + 1, **{name: cache}).logits[:, :-1, :]
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,

@@ -8,6 +8,7 @@ sees (--relevance-text problem, --abstract-ahead) is measured for its effect, no
 
     python bench/lanpo_overhead.py                   # 2 rounds x 6 steps each, B=4, G=4
     python bench/lanpo_overhead.py --steps 3 --rounds 1          # smoke run
+    python bench/lanpo_overhead.py --max-new-tokens 128          # longer completions: prompts weigh less
     python bench/lanpo_overhead.py --both-flags="--no-share-prefill"      # the profile before prefill sharing
     python bench/lanpo_overhead.py --lanpo-flags="--abstract-ahead --relevance-text problem"
 """
@@ -34,7 +35,7 @@ def run(out: Path, feedback: str, args, extra: list[str]) -> list[dict]:
     cmd = [sys.executable, str(ROOT / "lanpo.py"), "--feedback", feedback, "--steps", str(args.steps),
            "--batch-problems", str(args.batch_problems), "--group-size", str(args.group_size),
            "--micro-batch", str(args.batch_problems * args.group_size // 2), "--synthetic-size",
-           str(2 * args.batch_problems), "--max-new-tokens", "32", "--abstract-max-tokens", "48",
+           str(2 * args.batch_problems), "--max-new-tokens", str(args.max_new_tokens), "--abstract-max-tokens", "48",
            "--relevance-threshold", str(args.gamma), "--abstract-refresh", "2", "--eval-every", "0",
            "--report-to", "none", "--out-dir", str(out), *shlex.split(args.both_flags), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -51,6 +52,8 @@ def main() -> None:
     ap.add_argument("--gamma", type=float, default=0.5,
                     help="relevance threshold (SmolLM2-135M scores 0.33-0.61: 0.9 would make no principles)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating (GRPO, LANPO) pairs of runs")
+    ap.add_argument("--max-new-tokens", type=int, default=32,
+                    help="longest completion (longer ones weigh the prompts, where LANPO differs, less)")
     ap.add_argument("--both-flags", default="", help="extra lanpo.py flags for both arms")
     ap.add_argument("--lanpo-flags", default="", help="extra lanpo.py flags for the LANPO arm only")
     ap.add_argument("--out", default="runs/bench/lanpo_overhead.json")
@@ -64,12 +67,14 @@ def main() -> None:
     timed = lambda rs, k: [r.get(k, 0.0) for r in rs if r["step"] > 1]  # noqa: E731
     made = sum(r["principles_made"] for r in lanpo)
     per_distillation = sum(r["time_abstraction"] for r in lanpo) / made if made else 0.0
+    parts = ("time_retrieval", "time_relevance", "time_abstraction", "time_generate", "time_update")
     result = {
+        "mean_s": {arm: {k: float(np.mean(timed(rs, k))) for k in parts} for arm, rs in (("grpo", grpo),
+                                                                                       ("lanpo", lanpo))},
         "grpo_step_s": float(np.median(timed(grpo, "time_step"))),
         "lanpo_step_s": float(np.median(timed(lanpo, "time_step"))),
         "breakdown_mean_s": {k: float(np.mean(timed(lanpo, k))) - float(np.mean(timed(grpo, k)))
-                             for k in ("time_retrieval", "time_relevance", "time_abstraction", "time_generate",
-                                       "time_update")},
+                             for k in parts},
         "prompt_tokens": {"grpo": float(np.mean(timed(grpo, "prompt_len_mean"))),
                           "lanpo": float(np.mean(timed(lanpo, "prompt_len_mean")))},
         "rollouts_by_kind": {k: sum(r[f"{k}/count"] for r in lanpo) for k in ("scratch", "reflect", "abstract")},
@@ -82,14 +87,15 @@ def main() -> None:
     }
     result["ratio"] = result["lanpo_step_s"] / result["grpo_step_s"]
     result["ratio_95"] = stats.median_ratio_interval(timed(lanpo, "time_step"), timed(grpo, "time_step"))
-    print(f"B={args.batch_problems} G={args.group_size}, {args.rounds} rounds x {args.steps} steps each (step 1 not "
-          f"counted); flags both: {args.both_flags or '-'}, LANPO: {args.lanpo_flags or '-'}")
+    print(f"B={args.batch_problems} G={args.group_size}, {args.max_new_tokens} new tokens, {args.rounds} rounds x "
+          f"{args.steps} steps each (step 1 not counted); flags both: {args.both_flags or '-'}, "
+          f"LANPO: {args.lanpo_flags or '-'}")
     print(f"median step: GRPO {result['grpo_step_s']:.1f} s, LANPO {result['lanpo_step_s']:.1f} s, "
           f"ratio {result['ratio']:.2f} (95 % bootstrap interval over steps {result['ratio_95'][0]:.2f}-"
           f"{result['ratio_95'][1]:.2f})")
-    print("extra seconds per step (mean, LANPO - GRPO):")
+    print("seconds per step (mean): GRPO, LANPO, LANPO - GRPO")
     for k, v in result["breakdown_mean_s"].items():
-        print(f"  {k:17s} {v:+.2f}")
+        print(f"  {k:17s} {result['mean_s']['grpo'][k]:6.2f} {result['mean_s']['lanpo'][k]:6.2f} {v:+.2f}")
     print(f"prompt tokens per rollout: GRPO {result['prompt_tokens']['grpo']:.0f}, "
           f"LANPO {result['prompt_tokens']['lanpo']:.0f}")
     print(f"rollouts by kind: {result['rollouts_by_kind']}; principles made {made:.0f}, served from cache "

@@ -4,7 +4,8 @@ with 2 micro-batches per process and 2 PPO epochs, a linear LR schedule with war
 and the relevance filter on. Each engine is compared with the DDP run of the same micro-batches.
 
 Tolerances: loss and grad-norm rel 1e-4 (seen: equal to ~1e-6; the engines reduce gradients in other
-orders); final weights: mean abs difference 1e-7 and max 1e-4 = 1 % of one update at lr 1e-2 (seen: 2e-7
+orders); final weights: mean abs difference 2e-7 (float32's spacing at 1.0, where the norm weights sit, is
+1.2e-7; seen 1.3e-7 on a norm weight) and max 1e-4 = 1 % of one update at lr 1e-2 (seen: 2e-7
 everywhere except one ZeRO-3 embedding entry at 1.5e-5: Adam divides a near-zero gradient's round-off by
 its own tiny scale); a resumed run reproduces its own uninterrupted run to abs 1e-6."""
 
@@ -93,7 +94,7 @@ def test_engine_trains_like_ddp(run, engine):
     assert mine.keys() == theirs.keys()
     for name in mine:
         difference = (mine[name] - theirs[name]).abs()
-        assert difference.max() <= 1e-4 and difference.mean() <= 1e-7, (name, difference.max(), difference.mean())
+        assert difference.max() <= 1e-4 and difference.mean() <= 2e-7, (name, difference.max(), difference.mean())
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -142,11 +142,33 @@ def test_token_logprobs_match_naive_and_ignore_left_padding(tiny):
             assert torch.allclose(entropy[i, :k], -(probs * probs.log()).sum(-1), atol=1e-4)
 
 
+def test_hoist_common_prefix_by_hand():
+    pad = 0
+    ids = torch.tensor([[pad, pad, 7, 8, 9, 4, 51],    # prompt 7 8 9 4, completion 51
+                        [7, 8, 9, 5, 6, 3, 52],        # prompt 7 8 9 5 6 3
+                        [pad, pad, pad, 7, 8, 6, 53]])  # prompt 7 8 6
+    mask = (ids != pad).long()
+    hoisted, hoisted_mask, k = grpo.hoist_common_prefix(ids, mask, n_prompt=6)
+    assert k == 2  # 7 8 is every prompt's start
+    assert hoisted.tolist() == [[7, 8, pad, pad, 9, 4, 51], [7, 8, 9, 5, 6, 3, 52], [7, 8, pad, pad, pad, 6, 53]]
+    assert hoisted_mask.tolist() == [[1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 1, 1]]
+    # the same real-token positions, so the same sequences to the model
+    for row in range(3):
+        assert (grpo.position_ids(hoisted_mask)[row][hoisted_mask[row].bool()].tolist()
+                == grpo.position_ids(mask)[row][mask[row].bool()].tolist())
+    # identical prompts keep their last token after the prefix; nothing in common gives k = 0
+    same = torch.tensor([[7, 8, 9, 51], [7, 8, 9, 52]])
+    assert grpo.hoist_common_prefix(same, torch.ones_like(same), n_prompt=3)[2] == 1
+    assert grpo.hoist_common_prefix(ids[:, 2:], mask[:, 2:], n_prompt=4)[2] == 0
+
+
 def repeated_prompt_batch(tokenizer):
-    """Three prompts of different lengths, repeated 3, 2 and 1 times, with completions of different lengths:
-    rows that share a prompt are left-padded alike, and one prompt repeats nowhere."""
+    """Three prompts of different lengths that start alike (as a chat template makes them), repeated 3, 2
+    and 1 times, with completions of different lengths: rows that share a prompt are left-padded alike,
+    and one prompt repeats nowhere."""
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 300, (p,), generator=g) for p in (6, 11, 2)]
+    template = torch.randint(3, 300, (5,), generator=g)
+    prompts = [torch.cat([template, torch.randint(3, 300, (p,), generator=g)]) for p in (6, 11, 2)]
     comps = [Completion(prompts[i], torch.randint(3, 300, (k,), generator=g), False, "")
              for i, k in ((0, 4), (1, 2), (0, 6), (2, 5), (1, 6), (0, 1))]
     return pack(comps, tokenizer.pad_token_id, "cpu")
