@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from grpo import cache_kwarg, completion_mask, position_ids
+from grpo import cache_kwarg, completion_mask, hoist_common_prefix, position_ids
 
 
 @dataclass
@@ -22,20 +22,27 @@ class Completion:
 
 
 @torch.no_grad()
-def shared_prefill(model, enc, rows: list[int]):
+def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int]):
     """Prefill each distinct prompt once and copy its KV cache to every row that repeats it.
 
-    `enc` holds the distinct prompts (left-padded); `rows[i]` is the distinct prompt of output row i. All
-    but the last token are prefilled, so generate() still runs the last prompt token itself and samples
-    the first completion token from logits it computed, exactly as without a cache. Positions count real
-    tokens only, as generate() numbers them."""
+    input_ids/attention_mask hold the distinct prompts, left-padded; `rows[i]` is the distinct prompt of
+    output row i. The prefix every prompt starts with (the chat template's system turn and worked example)
+    is moved in front of the padding (`grpo.hoist_common_prefix`) and encoded once; then each prompt's rest
+    but its last token, once. generate() still runs the last prompt token itself and samples the first
+    completion token from logits it computed, exactly as without a cache. Positions count real tokens
+    only, as generate() numbers them. Returns the output rows' input_ids and attention_mask, and the cache."""
     from transformers import DynamicCache
-    cache = DynamicCache()
-    mask = enc.attention_mask[:, :-1]
-    model(input_ids=enc.input_ids[:, :-1], attention_mask=mask, position_ids=position_ids(mask),
-          use_cache=True, logits_to_keep=1, **{cache_kwarg(): cache})
-    cache.batch_select_indices(torch.tensor(rows, device=enc.input_ids.device))
-    return cache
+    ids, mask, prefix = hoist_common_prefix(input_ids, attention_mask, input_ids.shape[1])
+    positions, name, cache = position_ids(mask), cache_kwarg(), DynamicCache()
+    if prefix:
+        model(input_ids=ids[:1, :prefix], attention_mask=mask[:1, :prefix], position_ids=positions[:1, :prefix],
+              use_cache=True, logits_to_keep=1, **{name: cache})
+        cache.batch_select_indices(torch.zeros(len(ids), dtype=torch.long, device=ids.device))
+    model(input_ids=ids[:, prefix:-1], attention_mask=mask[:, :-1], position_ids=positions[:, prefix:-1],
+          use_cache=True, logits_to_keep=1, **{name: cache})
+    index = torch.tensor(rows, device=ids.device)
+    cache.batch_select_indices(index)
+    return ids[index], mask[index], cache
 
 
 class _ArgmaxRows(LogitsProcessor):
@@ -71,10 +78,10 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
     call and every row stops at its own limit, so work with different settings shares one call (LANPO's
     principles ride along with the rollouts under --abstract-ahead).
 
-    share_prefill: a prompt repeated within a call (the G samples of a group) is encoded once and its KV
-    cache copied to its rows (`shared_prefill`), instead of being encoded once per row. The sampled
-    distribution is the same; the logits may differ in the last float bits, as with any change of batch
-    shape."""
+    share_prefill: the prefix all prompts of a call share is encoded once, and so is a prompt repeated within
+    the call (the G samples of a group); their KV cache is copied to the rows (`shared_prefill`), instead of
+    each row encoding its own copy. The sampled distribution is the same; the logits may differ in the last
+    float bits, as with any change of batch shape."""
     n = len(prompts)
     greedy_rows = list(greedy) if isinstance(greedy, (list, tuple)) else [greedy] * n
     limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
@@ -87,17 +94,14 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
         chunk = prompts[start:start + batch_size]
         chunk_greedy, chunk_limits = greedy_rows[start:start + batch_size], limits[start:start + batch_size]
         distinct = list(dict.fromkeys(chunk))
-        shared = share_prefill and len(distinct) < len(chunk)
-        enc = tokenizer(distinct if shared else chunk, return_tensors="pt", padding=True,
+        enc = tokenizer(distinct if share_prefill else chunk, return_tensors="pt", padding=True,
                         add_special_tokens=False).to(model.device)
-        cache = {}
-        if shared:
+        input_ids, attention_mask, cache = enc.input_ids, enc.attention_mask, {}
+        if share_prefill and input_ids.shape[1] > 1:
             position = {text: i for i, text in enumerate(distinct)}
-            rows = [position[text] for text in chunk]
-            cache = {cache_kwarg(): shared_prefill(model, enc, rows)}
-            index = torch.tensor(rows, device=enc.input_ids.device)
-            enc = {"input_ids": enc.input_ids[index], "attention_mask": enc.attention_mask[index]}
-        input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
+            input_ids, attention_mask, shared = shared_prefill(model, input_ids, attention_mask,
+                                                               [position[text] for text in chunk])
+            cache = {cache_kwarg(): shared}
         if all(chunk_greedy):
             sampling = {"do_sample": False}
         else:

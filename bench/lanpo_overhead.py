@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,11 +38,13 @@ def run(out: Path, feedback: str, args, extra: list[str]) -> list[dict]:
            "--micro-batch", str(args.batch_problems * args.group_size // 2), "--synthetic-size",
            str(2 * args.batch_problems), "--max-new-tokens", str(args.max_new_tokens), "--abstract-max-tokens", "48",
            "--relevance-threshold", str(args.gamma), "--abstract-refresh", "2", "--eval-every", "0",
-           "--report-to", "none", "--out-dir", str(out), *shlex.split(args.both_flags), *extra]
+           "--report-to", "none", "--no-final-checkpoint", "--out-dir", str(out), *shlex.split(args.both_flags), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd[1:4])} ... failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(out)  # final/ holds the weights: 0.5 GB a run
+    return records
 
 
 def main() -> None:
@@ -71,6 +74,7 @@ def main() -> None:
     result = {
         "mean_s": {arm: {k: float(np.mean(timed(rs, k))) for k in parts} for arm, rs in (("grpo", grpo),
                                                                                        ("lanpo", lanpo))},
+        "steps": {"grpo": grpo, "lanpo": lanpo},  # every run's metrics, in run order
         "grpo_step_s": float(np.median(timed(grpo, "time_step"))),
         "lanpo_step_s": float(np.median(timed(lanpo, "time_step"))),
         "breakdown_mean_s": {k: float(np.mean(timed(lanpo, k))) - float(np.mean(timed(grpo, k)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,7 @@ def main() -> None:
     print("lanpo step split (median s): " + ", ".join(f"{k[5:]} {v:.2f}" for k, v in split.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
+    shutil.rmtree(work)  # both sides' saved models: 1.6 GB
 
 
 if __name__ == "__main__":

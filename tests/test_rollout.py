@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import prompts
-from grpo import cache_kwarg
+from grpo import cache_kwarg, hoist_common_prefix
 from rollout import generate_completions, shared_prefill
 
 QUESTIONS = ["What is 2 + 5?", "Tom has 12 apples and gets 3 more in total today. How many apples now?", "Is 7 odd?"]
@@ -29,15 +29,20 @@ def encoded_groups(tokenizer, group_size: int):
     return enc, rows, enc.input_ids[rows], enc.attention_mask[rows]
 
 
-def test_shared_prefill_gives_the_plain_paths_logits_at_every_step(tiny):
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_shared_prefill_gives_the_plain_paths_logits_at_every_step(tiny, group_size):
+    """Groups of 4 share the common prefix and each prompt; distinct prompts (G = 1) the prefix only."""
     model, tokenizer = tiny
     model.eval()
-    enc, rows, ids, mask = encoded_groups(tokenizer, 4)
+    enc, rows, ids, mask = encoded_groups(tokenizer, group_size)
+    assert hoist_common_prefix(enc.input_ids, enc.attention_mask, enc.input_ids.shape[1])[2] > 10  # the template
     settings = dict(do_sample=False, max_new_tokens=10, output_logits=True, return_dict_in_generate=True,
                     pad_token_id=tokenizer.pad_token_id, eos_token_id=[], min_new_tokens=10)
     plain = model.generate(input_ids=ids, attention_mask=mask, **settings)
-    shared = model.generate(input_ids=ids, attention_mask=mask, **settings,
-                            **{cache_kwarg(): shared_prefill(model, enc, rows)})
+    shared_ids, shared_mask, cache = shared_prefill(model, enc.input_ids, enc.attention_mask, rows)
+    shared = model.generate(input_ids=shared_ids, attention_mask=shared_mask, **settings, **{cache_kwarg(): cache})
+    generated = shared.sequences[:, ids.shape[1]:]
+    shared = type(shared)(sequences=torch.cat([ids, generated], dim=1), logits=shared.logits)
     assert torch.equal(plain.sequences, shared.sequences)
     assert len(plain.logits) == len(shared.logits) == 10
     for step, (a, b) in enumerate(zip(plain.logits, shared.logits)):
@@ -54,8 +59,9 @@ def test_shared_prefill_logits_differ_when_cache_rows_are_misassigned(tiny):
                     pad_token_id=tokenizer.pad_token_id)
     plain = model.generate(input_ids=ids, attention_mask=mask, **settings)
     wrong = [1 - r if r < 2 else r for r in rows]
-    swapped = model.generate(input_ids=ids, attention_mask=mask, **settings,
-                             **{cache_kwarg(): shared_prefill(model, enc, wrong)})
+    _, _, cache = shared_prefill(model, enc.input_ids, enc.attention_mask, wrong)
+    hoisted = shared_prefill(model, enc.input_ids, enc.attention_mask, rows)[:2]
+    swapped = model.generate(input_ids=hoisted[0], attention_mask=hoisted[1], **settings, **{cache_kwarg(): cache})
     assert not torch.allclose(plain.logits[0][:4], swapped.logits[0][:4], atol=1e-3)
 
 
