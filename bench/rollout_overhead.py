@@ -2,7 +2,7 @@
 batched generate, EOS masks, decode) against a bare `model.generate` on the same prompts and settings,
 on three prompt sets:
 
-- distinct: N different one-shot problem prompts (nothing to share);
+- distinct: N different one-shot problem prompts (they share only the chat template and worked example);
 - groups: N/G problems x G samples of the plain prompt (a GRPO step's rollouts);
 - reflection groups: problems x G = 8 samples of a reflection prompt that shows an earlier attempt of
   about --attempt-tokens tokens (the long prompts LANPO repeats within a group).

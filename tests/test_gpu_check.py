@@ -19,4 +19,5 @@ def test_gpu_check_cpu_twin_runs_every_setup(tmp_path):
     for name, result in report["setups"].items():
         assert result["ok"], (name, result.get("error"))
         assert len(result["step_s"]) == 2 and result["peak_memory_gb"] > 0 and min(result["tokens_per_s"]) > 0
+        assert result["layers"] == gpu_engines.TINY["num_hidden_layers"]  # half depth is for the 7B shapes only
     assert not (tmp_path / "work").exists()  # the 7B model and its runs are removed
