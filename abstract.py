@@ -12,18 +12,19 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from grpo import position_ids
+from grpo import cache_kwarg, position_ids
 from math_grader import extract_answer
 from pool import ExperiencePool, Trial
 from prompts import principles_request, raw_experience_block, relevance_request, render_prompt
 from reflect import shorten
-from rollout import generate_completions
+from rollout import generate_completions, shared_prefill
 
 
 def best_trial(trials: list[Trial]) -> Trial:
@@ -32,25 +33,84 @@ def best_trial(trials: list[Trial]) -> Trial:
 
 
 @torch.no_grad()
-def relevance_scores(model, tokenizer, pairs: list[str], batch_size: int = 16) -> list[float]:
+def relevance_scores(model, tokenizer, pairs: list[str], owners: list[int] | None = None, batch_size: int = 16,
+                     share_prefix: bool = False) -> list[float]:
     """P(Yes) / (P(Yes) + P(No)) for the first token of the assistant's answer to each relevance request.
     The full-vocabulary P(Yes) of a small model is tiny even when it prefers Yes; normalising over the two
-    answers makes gamma mean the same thing for every model (0.9 = nine-to-one odds for Yes)."""
+    answers makes gamma mean the same thing for every model (0.9 = nine-to-one odds for Yes).
+
+    share_prefix: `owners[i]` is the problem that pair i is judged for; the pairs of one problem start alike
+    (chat template, that problem) and differ in the candidate. Each problem's common start is encoded once
+    (`shared_prefill`: the start all pairs of a batch share once, then each problem's rest) and its pairs'
+    candidates attend to that KV cache. The same scores up to float rounding; a batch keeps a problem's pairs
+    together where it can."""
     yes_id = tokenizer.encode("Yes", add_special_tokens=False)[0]
     no_id = tokenizer.encode("No", add_special_tokens=False)[0]
     # no worked example: it teaches the \boxed format of math answers, not Yes/No judgements
     texts = [render_prompt(tokenizer, p, one_shot=False) for p in pairs]
     was_training = model.training
     model.eval()
-    scores = []
-    for start in range(0, len(texts), batch_size):
-        enc = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
-                        add_special_tokens=False).to(model.device)
-        logits = model(**enc, position_ids=position_ids(enc.attention_mask), logits_to_keep=1).logits[:, -1, :].float()
-        two = torch.log_softmax(logits[:, [yes_id, no_id]], dim=-1)
-        scores += two[:, 0].exp().tolist()
+    if share_prefix:
+        if owners is None or len(owners) != len(pairs):
+            raise ValueError("share_prefix needs the owner (judged problem) of every pair")
+        logits = _shared_last_logits(model, tokenizer, texts, owners, batch_size)
+    else:
+        logits = []
+        for start in range(0, len(texts), batch_size):
+            enc = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(model.device)
+            logits += model(**enc, position_ids=position_ids(enc.attention_mask), logits_to_keep=1).logits[:, -1]
     model.train(was_training)
-    return scores
+    if not logits:
+        return []
+    two = torch.log_softmax(torch.stack(logits).float()[:, [yes_id, no_id]], dim=-1)
+    return two[:, 0].exp().tolist()
+
+
+def _shared_last_logits(model, tokenizer, texts: list[str], owners: list[int], batch_size: int) -> list:
+    """Last-position logits of each text, each owner's common token prefix encoded once (see relevance_scores)."""
+    ids = tokenizer(texts, add_special_tokens=False).input_ids
+    groups: dict[int, list[int]] = {}
+    for row, owner in enumerate(owners):
+        groups.setdefault(owner, []).append(row)
+    batches, current = [], []  # whole groups per batch while they fit (longest first: less padding); a larger
+    for rows in sorted(groups.values(), key=lambda rows: -max(len(ids[r]) for r in rows)):  # group is split
+        for start in range(0, len(rows), batch_size):
+            part = rows[start:start + batch_size]
+            if len(current) + len(part) > batch_size:
+                batches.append(current)
+                current = []
+            current += part
+    batches.append(current)
+    out = [None] * len(texts)
+    pad = tokenizer.pad_token_id
+    for rows in batches:
+        if not rows:
+            continue
+        # each row's "prompt": the token prefix its group's rows share in this batch, less at least one token
+        start_of = {}
+        for row in rows:
+            mates = [ids[r] for r in rows if owners[r] == owners[row]]
+            common = len(os.path.commonprefix(mates)) if len(mates) > 1 else len(ids[row])
+            start_of[row] = min(common, min(len(m) for m in mates) - 1)
+        distinct = list(dict.fromkeys(tuple(ids[r][:start_of[r]]) for r in rows))
+        width = max(len(d) for d in distinct)
+        prompt_ids = torch.tensor([[pad] * (width - len(d)) + list(d) for d in distinct], device=model.device)
+        prompt_mask = torch.tensor([[0] * (width - len(d)) + [1] * len(d) for d in distinct], device=model.device)
+        which = [distinct.index(tuple(ids[r][:start_of[r]])) for r in rows]
+        row_ids, row_mask, cache = shared_prefill(model, prompt_ids, prompt_mask, which)
+        # then each row's last prompt token and its own tokens, left-padded so that every row ends in the last column
+        tails = [ids[r][start_of[r]:] for r in rows]
+        depth = max(len(t) for t in tails)
+        tail_ids = torch.tensor([[pad] * (depth - len(t)) + t for t in tails], device=model.device)
+        tail_mask = torch.tensor([[0] * (depth - len(t)) + [1] * len(t) for t in tails], device=model.device)
+        mask = torch.cat([row_mask, tail_mask], dim=1)
+        logits = model(input_ids=torch.cat([row_ids[:, -1:], tail_ids], dim=1), attention_mask=mask,
+                       position_ids=position_ids(mask)[:, width - 1:], use_cache=True, logits_to_keep=1,
+                       **{cache_kwarg(): cache}).logits[:, -1]
+        for row, logit in zip(rows, logits):
+            out[row] = logit
+    return out
 
 
 def clean_principles(text: str, other_answers: list[str | None] = ()) -> str:
@@ -110,7 +170,7 @@ class PendingLessons:
 
 def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, *,
                     candidates: int, gamma: float, mode: str, refresh: int, attempt_tokens: int,
-                    relevance_text: str) -> PendingLessons:
+                    relevance_text: str, share_prefill: bool = True) -> PendingLessons:
     """Steps 1 and 2 (candidates, relevance) for each problem whose cache entry is missing or older than
     `refresh` steps; cache hits are served as they are. What is left to generate is in `requests`."""
     stats = AbstractionStats()
@@ -141,7 +201,7 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
     t0 = time.perf_counter()
     kept: list[list[Trial]] = [[] for _ in todo]
     if gamma > 0 and pairs:
-        scores = relevance_scores(model, tokenizer, pairs)
+        scores = relevance_scores(model, tokenizer, pairs, owners, share_prefix=share_prefill)
         stats.scores = scores
         flat = [t for _, shown in todo for t in shown]
         for owner, t, s in zip(owners, flat, scores):
@@ -180,21 +240,25 @@ def finish_lessons(pending: PendingLessons, outs: list, cache: dict, step: int, 
 def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, *,
                 candidates: int, gamma: float, mode: str, refresh: int, attempt_tokens: int,
                 max_new_tokens: int, eos_ids: list[int], gen_batch: int,
-                relevance_text: str) -> tuple[dict[str, str], AbstractionStats]:
+                relevance_text: str, share_prefill: bool = True) -> tuple[dict[str, str], AbstractionStats]:
     """Lessons (principles, or raw trajectories in `raw` mode) for each problem that has relevant
     experience in the pool; problems without any are absent from the result.
 
     relevance_text: what the relevance judgement sees of a candidate: its problem and shown solution
     (experience), or its problem statement only (problem: about a third of the tokens).
+    share_prefill: prompts' common starts are encoded once, in the relevance forward and in generation.
 
     `cache` maps problem id -> {"step", "lessons"} and is updated in place; an entry (also "all
     candidates judged irrelevant") is reused for `refresh` steps, then rebuilt (the pool has grown and
     the policy has changed)."""
     pending = prepare_lessons(model, tokenizer, pool, problems, cache, step, candidates=candidates, gamma=gamma,
-                              mode=mode, refresh=refresh, attempt_tokens=attempt_tokens, relevance_text=relevance_text)
+                              mode=mode, refresh=refresh, attempt_tokens=attempt_tokens, relevance_text=relevance_text,
+                              share_prefill=share_prefill)
     t0 = time.perf_counter()
-    outs = generate_completions(model, tokenizer, pending.requests, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
-                                greedy=True, batch_size=gen_batch) if pending.requests else []
+    outs = []
+    if pending.requests:
+        outs = generate_completions(model, tokenizer, pending.requests, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+                                    greedy=True, batch_size=gen_batch, share_prefill=share_prefill)
     lessons = finish_lessons(pending, outs, cache, step, mode)
     pending.stats.time_abstraction = time.perf_counter() - t0
     return lessons, pending.stats

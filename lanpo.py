@@ -96,8 +96,10 @@ class Config:
     temperature: float = _f(1.0, "sampling temperature; log-probs are taken at the same temperature")
     top_p: float = _f(1.0, "nucleus sampling (1 = off; <1 makes sampling differ from the trained distribution)")
     gen_batch: int = _f(64, "prompts per generate call")
-    share_prefill: bool = _f(True, "encode a prompt repeated within a generate call (a group's G samples) once and "
-                             "copy its KV cache to its rows; the same distribution, less prefill compute")
+    share_prefill: bool = _f(True, "encode a prompt repeated within a generate call (a group's G samples), and the "
+                             "start all its prompts share, once and copy the KV cache to the rows; in relevance "
+                             "scoring, each problem's start once for its candidates. The same distribution and "
+                             "scores, less prefill compute")
     # --- policy optimisation
     lr: float = _f(2e-6, "AdamW learning rate")
     lr_schedule: str = _f("constant", "constant, linear or cosine decay after warmup",
@@ -916,7 +918,7 @@ def lessons_for_step(run: Run, problems: list[dict], step: int) -> tuple[dict[st
             run.policy, run.tokenizer, run.pool, problems, run.lessons_cache, step, candidates=cfg.inter_candidates,
             gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
             attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens, eos_ids=run.eos_ids,
-            gen_batch=cfg.gen_batch, relevance_text=cfg.relevance_text)
+            gen_batch=cfg.gen_batch, relevance_text=cfg.relevance_text, share_prefill=cfg.share_prefill)
     share_lessons(run, problems)
     return lessons, stats
 
@@ -934,7 +936,8 @@ def upcoming_lessons(run: Run, step: int) -> abstract.PendingLessons | None:
         return abstract.prepare_lessons(
             run.policy, run.tokenizer, run.pool, upcoming, run.lessons_cache, step + 1,
             candidates=cfg.inter_candidates, gamma=cfg.relevance_threshold, mode=cfg.inter_mode,
-            refresh=cfg.abstract_refresh, attempt_tokens=cfg.attempt_tokens, relevance_text=cfg.relevance_text)
+            refresh=cfg.abstract_refresh, attempt_tokens=cfg.attempt_tokens, relevance_text=cfg.relevance_text,
+            share_prefill=cfg.share_prefill)
 
 
 def sample(run: Run, rollout_prompts: list[Prompt], pending: abstract.PendingLessons | None,

@@ -140,7 +140,7 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings
         lessons, _ = abstract.lessons_for(
             model, tokenizer, pool, rows, {}, 0, candidates=s.inter_candidates, gamma=s.relevance_threshold,
             mode="principles", refresh=1, attempt_tokens=s.attempt_tokens, max_new_tokens=s.abstract_max_tokens,
-            eos_ids=eos_ids, gen_batch=s.gen_batch, relevance_text=s.relevance_text)
+            eos_ids=eos_ids, gen_batch=s.gen_batch, relevance_text=s.relevance_text, share_prefill=s.share_prefill)
     texts = []
     for row in rows:
         request = prompts.problem_request(row["problem"])

@@ -10,9 +10,11 @@ import pytest
 from conftest import ROOT
 from golden_runs import RUNS, fingerprint
 
-# Each run as recorded (rel 1e-5), and the run with the most forwards (teacher, reference, old log-probs,
-# feedback modelling) without the update's prompt sharing, which is the same maths in another float order
-CASES = [(name, [], 1e-5, 1e-8) for name in RUNS] + [("context-kl-epochs", ["--no-share-prompt-forward"], 1e-4, 1e-7)]
+# Each run as recorded, and the run with the most forwards (teacher, reference, old log-probs, feedback
+# modelling) without the update's prompt sharing, which is the same maths in another float order. Pools must
+# match exactly; metrics and weights within float tolerance: another CPU's kernels move a loss of ~1e-3 by
+# 3e-8 (seen between two machines of this project, same code), so rel 1e-5 / abs 1e-8 was too tight to hold
+CASES = [(name, [], 1e-4, 1e-7) for name in RUNS] + [("context-kl-epochs", ["--no-share-prompt-forward"], 1e-4, 1e-7)]
 
 
 @pytest.mark.parametrize(("name", "extra", "rel", "abs_"), CASES)

@@ -1,5 +1,6 @@
 """LANPO: pool queries, leak-free reflection, relevance scores, group mixing, and end-to-end runs."""
 
+import copy
 import inspect
 import json
 import math
@@ -198,6 +199,28 @@ def test_relevance_score_is_the_models_yes_probability(tiny):
         assert score == pytest.approx(expected, abs=1e-5) and 0 < score < 1
 
 
+@pytest.mark.parametrize("batch_size", [2, 16])
+def test_shared_relevance_scores_equal_plain_ones(tiny, batch_size):
+    """Each judged problem's start encoded once (share_prefix) gives the plain forward's scores: groups of
+    3, 1 and 2 pairs, candidates of different lengths, one batch for all or groups split across batches."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    with torch.no_grad():  # sharper attention than the tiny model's near-uniform one: positions matter
+        for w in model.parameters():
+            w.mul_(4.0)
+    problems = ["What is 2 + 2?", "Tom has 7 apples and eats 3. How many are left?", "Find 10 - 4."]
+    others = [("What is 3 + 3?", "3 + 3 = 6"), ("Add 5 and 9.", "5 + 9 = " + "14 " * 12),
+              ("Sam has 2 pens.", None), ("What is 8 - 1?", "\\boxed{7}")]
+    owners = [0, 0, 0, 1, 2, 2]
+    pairs = [prompts.relevance_request(problems[o], *others[i % len(others)]) for i, o in enumerate(owners)]
+    plain = abstract.relevance_scores(model, tokenizer, pairs, batch_size=batch_size)
+    shared = abstract.relevance_scores(model, tokenizer, pairs, owners, batch_size=batch_size, share_prefix=True)
+    assert min(plain) < 0.3 and max(plain) > 0.9  # the scores differ widely: the comparison can fail
+    assert shared == pytest.approx(plain, abs=1e-5)
+    with pytest.raises(ValueError, match="owner"):
+        abstract.relevance_scores(model, tokenizer, pairs, share_prefix=True)
+
+
 def test_threshold_filters_as_stated(tiny):
     model, tokenizer = tiny
     pool = ExperiencePool()
@@ -226,7 +249,8 @@ def test_relevance_text_decides_what_the_judgement_reads(tiny, monkeypatch, rele
     pool.add([trial(f"o{i}", f"Tom has {i} apples and gets {i} more.", f"SOLUTION{i}: {i} + {i} = {2 * i}", 1.0)
               for i in range(3)])
     seen = []
-    monkeypatch.setattr(abstract, "relevance_scores", lambda m, t, pairs: seen.extend(pairs) or [1.0] * len(pairs))
+    monkeypatch.setattr(abstract, "relevance_scores",
+                        lambda m, t, pairs, *_, **__: seen.extend(pairs) or [1.0] * len(pairs))
     lessons, stats = abstract.lessons_for(
         model, tokenizer, pool, [{"id": "cur", "problem": "Tom has 9 apples and gets 9 more."}], {}, 1, candidates=3,
         gamma=0.5, mode="raw", refresh=1, attempt_tokens=64, max_new_tokens=8, eos_ids=[2], gen_batch=4,
