@@ -1,7 +1,8 @@
 """What `--relevance-text problem` changes: the relevance judgement of the same (problem, candidate) pairs
 from a saved pool, read with the candidate's shown solution (`experience`, the default) and without it
 (`problem`). Reports the score distributions, the share accepted at each gamma, how often the two
-settings agree, and the forward time and prompt tokens per pair.
+settings agree, and the forward time and prompt tokens per pair; and the time of the default pairs with each
+problem's part encoded once (share_prefix, what --share-prefill does in training) against the plain forward.
 
     python bench/relevance_text.py --pool runs/default/checkpoints/step-000010/pool.jsonl
 """
@@ -41,12 +42,14 @@ def main() -> None:
     model = models.load_policy(args.model, torch.float32).eval()
     problems = {t.problem_id: t.problem for trials in pool.trials.values() for t in trials}
     pairs = {"experience": [], "problem": []}
+    owners = []
     for pid, text in problems.items():
         for _, trials in pool.similar(text, args.candidates, exclude_id=pid):
             shown = abstract.best_trial(trials)
             pairs["experience"].append(prompts.relevance_request(
                 text, shown.problem, shorten(shown.response, tokenizer, args.attempt_tokens)))
             pairs["problem"].append(prompts.relevance_request(text, shown.problem, None))
+            owners.append(pid)
     result = {"pairs": len(pairs["problem"]), "problems": len(problems)}
     scores = {}
     for mode, texts in pairs.items():
@@ -63,6 +66,10 @@ def main() -> None:
     result["agreement"] = {str(g): float(((scores["experience"] >= g) == (scores["problem"] >= g)).mean())
                            for g in args.gammas}
     result["score_correlation"] = float(np.corrcoef(scores["experience"], scores["problem"])[0, 1])
+    t0 = time.perf_counter()
+    shared = np.array(abstract.relevance_scores(model, tokenizer, pairs["experience"], owners, share_prefix=True))
+    result["shared"] = {"ms_per_pair": 1000 * (time.perf_counter() - t0) / len(owners),
+                        "max_score_difference": float(np.abs(shared - scores["experience"]).max())}
     print(f"{result['pairs']} (problem, candidate) pairs from {result['problems']} problems in {args.pool}")
     print("| relevance text | prompt tokens | ms per pair | score mean [min, max] | "
           + " | ".join(f"accepted at gamma {g}" for g in args.gammas) + " |")
@@ -74,6 +81,9 @@ def main() -> None:
               + " | ".join(f"{r['accepted'][str(g)]:.3f}" for g in args.gammas) + " |")
     print("same verdict at gamma " + ", ".join(f"{g}: {result['agreement'][str(g)]:.3f}" for g in args.gammas)
           + f"; score correlation {result['score_correlation']:.2f}")
+    print(f"experience pairs with each problem's part encoded once: {result['shared']['ms_per_pair']:.0f} ms per pair "
+          f"({result['shared']['ms_per_pair'] / result['experience']['ms_per_pair']:.2f}x the plain forward), "
+          f"scores within {result['shared']['max_score_difference']:.1e}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 

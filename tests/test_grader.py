@@ -152,9 +152,10 @@ def test_no_code_execution(tmp_path):
 
 def test_timeouts_are_counted():
     before = math_grader.timeouts()
-    # a symbolic check (a pair no other test asks, so no cache answers it) given 0.1 ms: the grader
-    # process is killed and restarted, the answer scores 0
-    assert grade("\\boxed{5\\sqrt{7}}", "\\sqrt{175}", timeout=0.0001) == 0.0
+    # a symbolic check given no time at all (the answer is polled for once, right after the request): the
+    # grader process is killed and restarted, the answer scores 0. 0.1 ms was not enough to be sure: on a
+    # fast machine the answer (a sub-millisecond check) sometimes arrived within it
+    assert grade("\\boxed{5\\sqrt{7}}", "\\sqrt{175}", timeout=0) == 0.0
     assert math_grader.timeouts() == before + 1
     assert grade("\\boxed{5\\sqrt{7}}", "\\sqrt{175}") == 1.0  # and the next check works again
 
