@@ -81,32 +81,28 @@ def _shared_last_logits(model, tokenizer, texts: list[str], owners: list[int], b
                 batches.append(current)
                 current = []
             current += part
-    batches.append(current)
+    if current:
+        batches.append(current)
     out = [None] * len(texts)
-    pad = tokenizer.pad_token_id
     for rows in batches:
-        if not rows:
-            continue
         # each row's "prompt": the token prefix its group's rows share in this batch, less at least one token
         start_of = {}
-        for row in rows:
-            mates = [ids[r] for r in rows if owners[r] == owners[row]]
-            common = len(os.path.commonprefix(mates)) if len(mates) > 1 else len(ids[row])
-            start_of[row] = min(common, min(len(m) for m in mates) - 1)
-        distinct = list(dict.fromkeys(tuple(ids[r][:start_of[r]]) for r in rows))
-        width = max(len(d) for d in distinct)
-        prompt_ids = torch.tensor([[pad] * (width - len(d)) + list(d) for d in distinct], device=model.device)
-        prompt_mask = torch.tensor([[0] * (width - len(d)) + [1] * len(d) for d in distinct], device=model.device)
-        which = [distinct.index(tuple(ids[r][:start_of[r]])) for r in rows]
-        row_ids, row_mask, cache = shared_prefill(model, prompt_ids, prompt_mask, which)
+        for owner in dict.fromkeys(owners[r] for r in rows):
+            mates = [r for r in rows if owners[r] == owner]
+            common = len(os.path.commonprefix([ids[r] for r in mates]))
+            start_of.update({r: min(common, min(len(ids[m]) for m in mates) - 1) for r in mates})
+        prefix = {r: tuple(ids[r][:start_of[r]]) for r in rows}
+        index: dict[tuple, int] = {}  # distinct prefix -> its row in the prefill
+        for r in rows:
+            index.setdefault(prefix[r], len(index))
+        prompts = tokenizer.pad({"input_ids": [list(p) for p in index]}, return_tensors="pt").to(model.device)
+        row_ids, row_mask, cache = shared_prefill(model, prompts.input_ids, prompts.attention_mask,
+                                                  [index[prefix[r]] for r in rows])
         # then each row's last prompt token and its own tokens, left-padded so that every row ends in the last column
-        tails = [ids[r][start_of[r]:] for r in rows]
-        depth = max(len(t) for t in tails)
-        tail_ids = torch.tensor([[pad] * (depth - len(t)) + t for t in tails], device=model.device)
-        tail_mask = torch.tensor([[0] * (depth - len(t)) + [1] * len(t) for t in tails], device=model.device)
-        mask = torch.cat([row_mask, tail_mask], dim=1)
-        logits = model(input_ids=torch.cat([row_ids[:, -1:], tail_ids], dim=1), attention_mask=mask,
-                       position_ids=position_ids(mask)[:, width - 1:], use_cache=True, logits_to_keep=1,
+        tails = tokenizer.pad({"input_ids": [ids[r][start_of[r]:] for r in rows]}, return_tensors="pt").to(model.device)
+        mask = torch.cat([row_mask, tails.attention_mask], dim=1)
+        logits = model(input_ids=torch.cat([row_ids[:, -1:], tails.input_ids], dim=1), attention_mask=mask,
+                       position_ids=position_ids(mask)[:, row_ids.shape[1] - 1:], use_cache=True, logits_to_keep=1,
                        **{cache_kwarg(): cache}).logits[:, -1]
         for row, logit in zip(rows, logits):
             out[row] = logit

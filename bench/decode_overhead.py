@@ -72,5 +72,6 @@ def main() -> None:
     for label, ms in best.items():
         print(f"| {label} | {ms:.1f} | {ms / best['plain']:.2f}× |")
 
+
 if __name__ == "__main__":
     main()
