@@ -1,6 +1,8 @@
 """lanpo.py end to end on a tiny random model: generate -> grade -> update, for real, several configs."""
 
+import ctypes
 import json
+import platform
 import re
 import subprocess
 import sys
@@ -157,10 +159,21 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and Linux fault counts")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc and Linux fault counts")
 def test_cpu_steps_reuse_freed_memory_instead_of_faulting_it_back():
     """Five rounds allocate 400 MB (102,400 pages). Without keep_freed_host_memory the same process faulted
     22,000-102,000 of them back in (measured); with it, under a tenth."""
     done = subprocess.run([sys.executable, "-c", FREE_AND_REALLOCATE, str(ROOT)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[-1]) < 10_240
+
+
+def test_without_glibc_the_run_says_freed_memory_is_not_kept(tiny_model_dir, tmp_path, graded_by_parity, monkeypatch,
+                                                            capsys):
+    def no_libc(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_libc)
+    assert lanpo.keep_freed_host_memory() is False
+    run(tiny_model_dir, tmp_path, "--steps", "1", "--eval-every", "0")
+    assert "malloc is not glibc's" in capsys.readouterr().out
