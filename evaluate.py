@@ -32,7 +32,8 @@ from pool import ExperiencePool
 
 # the settings evaluation shares with training: flags, help and defaults come from lanpo.Config
 SHARED = ("model", "seed", "max_new_tokens", "top_p", "one_shot", "gen_batch", "attempt_tokens", "inter_candidates",
-          "relevance_threshold", "relevance_text", "abstract_max_tokens", "share_prefill")
+          "relevance_threshold", "relevance_text", "abstract_max_tokens", "share_prefill",
+          "cpu_rows_first_matmul")
 
 
 def compare(a_dir: str, b_dir: str) -> str:
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = models.load_policy(args.model, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     if torch.cuda.is_available():
         model = model.to("cuda")
+    elif args.cpu_rows_first_matmul:
+        models.rows_first_linears(model)
     eos_ids = models.eos_token_ids(model, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, float]]] = {}

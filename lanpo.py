@@ -100,6 +100,10 @@ class Config:
                              "start all its prompts share, once and copy the KV cache to the rows; in relevance "
                              "scoring, each problem's start once for its candidates. The same distribution and "
                              "scores, less prefill compute")
+    cpu_rows_first_matmul: bool = _f(True, "on CPU, compute fp32 linear layers of no-grad forwards on up to 64 rows "
+                                     "(decoding) as W·xᵀ, which MKL runs 2-7x faster than x·Wᵀ at that shape "
+                                     "(models.RowsFirstLinear): the same products, summed in another order; "
+                                     "training forwards unchanged")
     # --- policy optimisation
     lr: float = _f(2e-6, "AdamW learning rate")
     lr_schedule: str = _f("constant", "constant, linear or cosine decay after warmup",
@@ -869,6 +873,8 @@ def setup(cfg: Config) -> Run:
                        if threading.current_thread() is threading.main_thread() else None)  # only it may
     model = models.load_policy(cfg.model, dtype, cfg.gradient_checkpointing, cfg.lora_rank, cfg.lora_alpha,
                                cfg.lora_targets)
+    if accelerator.device.type == "cpu" and cfg.cpu_rows_first_matmul:
+        models.rows_first_linears(model)
     eos_ids = models.eos_token_ids(model, tokenizer)
     ref_model = None
     if cfg.beta > 0 and cfg.lora_rank == 0:

@@ -105,3 +105,71 @@ def test_greedy_rows_and_row_limits_inside_one_sampling_call(tiny):
         assert c.truncated == (eos[0] not in c.completion_ids.tolist())
     with pytest.raises(ValueError, match="2 greedy flags"):
         generate_completions(model, tokenizer, asks + asks, eos_ids=eos, max_new_tokens=4, greedy=[True, False])
+
+
+# ------------------------------------------------------------------ rows-first linear layers (CPU decoding)
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64])
+def test_rows_first_linear_matches_nn_linear_on_few_rows(rows):
+    """W·xᵀ gives x·Wᵀ + b to float rounding, for 3-d inputs (batch, positions, features), bias included."""
+    import models
+
+    torch.manual_seed(rows)
+    plain = torch.nn.Linear(40, 300)
+    fast = torch.nn.Linear(40, 300)
+    fast.load_state_dict(plain.state_dict())
+    assert models.rows_first_linears(torch.nn.Sequential(fast)) == 1
+    x = torch.randn(rows, 1, 40) if rows < 64 else torch.randn(16, 4, 40)
+    with torch.no_grad():
+        expected, got = plain(x), fast(x)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, torch.nn.functional.linear(x, plain.weight), atol=1e-3)  # the bias is added
+
+
+def test_rows_first_linear_leaves_training_and_large_forwards_bit_for_bit(monkeypatch):
+    """Grad enabled (the update), more rows than max_rows (prefill), bf16 weights: nn.Linear's own path,
+    exactly; a forward on few rows without grad takes the other path (its summation order shows in the bits)."""
+    import models
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(576, 2000, bias=False)
+    reference = layer.weight.detach().clone()
+    models.rows_first_linears(torch.nn.Sequential(layer))
+    few = torch.randn(3, 576)
+    assert not torch.equal(few @ reference.T, (reference @ few.T).T)  # the two paths can be told apart
+    assert torch.equal(layer(few), few @ reference.T)  # grad enabled
+    with torch.no_grad():
+        assert torch.equal(layer(few), (reference @ few.T).T)
+        monkeypatch.setattr(models.RowsFirstLinear, "max_rows", 2)
+        assert torch.equal(layer(few), few @ reference.T)
+        half = torch.nn.Linear(576, 8, bias=False).to(torch.bfloat16)
+        models.rows_first_linears(half)
+        assert torch.equal(half(few.bfloat16()), torch.nn.functional.linear(few.bfloat16(), half.weight))
+
+
+def test_rows_first_linears_sample_the_same_completions(tiny_model_dir):
+    """Fixed seed: the same sampled and greedy completions with every linear layer rows-first, and each
+    decoding step's log-probs within float tolerance of the plain model's."""
+    import models
+
+    tokenizer = models.load_tokenizer(str(tiny_model_dir))
+    plain = models.load_policy(str(tiny_model_dir), torch.float32).eval()
+    fast = models.load_policy(str(tiny_model_dir), torch.float32).eval()
+    linears = sum(type(m) is torch.nn.Linear for m in fast.modules())
+    assert models.rows_first_linears(fast) == linears == 2 * 7 + 1  # q k v o gate up down per layer, LM head
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    texts = group_prompts(tokenizer, 2)
+    for greedy in (False, True):
+        outs = []
+        for model in (plain, fast):
+            torch.manual_seed(0)
+            outs.append(generate_completions(model, tokenizer, texts, eos_ids=eos, max_new_tokens=12, greedy=greedy))
+        assert [a.completion_ids.tolist() for a in outs[0]] == [b.completion_ids.tolist() for b in outs[1]]
+    settings = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8, output_logits=True,
+                    return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=[])
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    a, b = (m.generate(**enc, **settings) for m in (plain, fast))
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        torch.testing.assert_close(x.log_softmax(-1), y.log_softmax(-1), atol=1e-5, rtol=1e-5)

@@ -177,3 +177,15 @@ def test_without_glibc_the_run_says_freed_memory_is_not_kept(tiny_model_dir, tmp
     assert lanpo.keep_freed_host_memory() is False
     run(tiny_model_dir, tmp_path, "--steps", "1", "--eval-every", "0")
     assert "malloc is not glibc's" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--cpu-rows-first-matmul", "--no-cpu-rows-first-matmul"])
+def test_cpu_runs_decode_with_rows_first_linears_unless_told_not_to(tiny_model_dir, tmp_path, graded_by_parity,
+                                                                    monkeypatch, flag):
+    import models
+
+    seen = []
+    real = models.rows_first_linears
+    monkeypatch.setattr(models, "rows_first_linears", lambda model: seen.append(real(model)) or seen[-1])
+    run(tiny_model_dir, tmp_path, "--steps", "1", "--eval-every", "0", flag)
+    assert seen == ([2 * 7 + 1] if flag == "--cpu-rows-first-matmul" else [])
