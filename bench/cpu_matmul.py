@@ -2,7 +2,7 @@
 shapes at decoding batch sizes, then whole decoding steps of the embedded model with and without them, and
 whether greedy decoding picks the same tokens. Runs alternate (plain, rows-first, plain, ...); medians.
 
-    python bench/cpu_matmul.py                      # ~5 minutes on 2 cores
+    python bench/cpu_matmul.py                      # ~8 minutes on 2 cores
     python bench/cpu_matmul.py --rounds 1 --batches 1 4    # smoke run
 """
 
