@@ -7,11 +7,15 @@ on three prompt sets:
 - reflection groups: problems x G = 8 samples of a reflection prompt that shows an earlier attempt of
   about --attempt-tokens tokens (the long prompts LANPO repeats within a group).
 
-Rounds alternate ours and bare from the same seed; the table gives generated tokens per second (tokens
+"ours" is the sampling as `lanpo.py` runs it: on CPU with its rows-first linear layers
+(`--cpu-rows-first-matmul`, on by default there); "bare" is `model.generate` on the model as Hugging Face
+builds it. `--no-rows-first` times ours without them (the sampling path alone). Rounds alternate ours and
+bare from the same seed; the table gives generated tokens per second (tokens
 up to and including EOS), the ratio of the medians, and its 95 % bootstrap interval (rounds resampled).
 
     python bench/rollout_overhead.py                 # embedded SmolLM2-135M, 32 prompts x 48 tokens, 5 rounds
     python bench/rollout_overhead.py --rounds 1 --prompts 8   # smoke run
+    python bench/rollout_overhead.py --no-rows-first          # both sides on plain nn.Linear layers
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sets", nargs="+", default=["distinct", "groups", "reflection"],
                     choices=["distinct", "groups", "reflection"], help="prompt sets to time")
+    ap.add_argument("--rows-first", action=argparse.BooleanOptionalAction, default=True,
+                    help="ours with lanpo's rows-first linear layers (on CPU, as lanpo.py runs by default)")
     ap.add_argument("--out", default="runs/bench/rollout_overhead.json")
     args = ap.parse_args()
 
@@ -66,13 +72,22 @@ def main() -> None:
             "reflection": (f"reflection groups (G = {args.reflect_group_size})",
                            [t for t in reflect for _ in range(args.reflect_group_size)])}
 
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    fast = args.rows_first and model.device.type == "cpu"
+
+    def use_linear(cls) -> None:  # what models.rows_first_linears does, reversibly: bare runs on nn.Linear
+        for m in linears:
+            m.__class__ = cls
+
     def ours(texts: list[str], share_prefill: bool = True) -> int:
+        use_linear(models.RowsFirstLinear if fast else torch.nn.Linear)
         outs = generate_completions(model, tokenizer, texts, eos_ids=eos, max_new_tokens=args.max_new_tokens,
                                     temperature=1.0, batch_size=len(texts), share_prefill=share_prefill)
         return sum(len(o.completion_ids) for o in outs)
 
     @torch.no_grad()
     def bare(texts: list[str]) -> int:
+        use_linear(torch.nn.Linear)
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
                              max_new_tokens=args.max_new_tokens, eos_token_id=eos,
@@ -80,7 +95,8 @@ def main() -> None:
         return int(completion_mask(out[:, enc.input_ids.shape[1]:], eos)[0].sum())
 
     result = {}
-    print(f"{args.prompts} prompts per call x {args.max_new_tokens} new tokens, {args.rounds} rounds")
+    print(f"{args.prompts} prompts per call x {args.max_new_tokens} new tokens, {args.rounds} rounds; "
+          f"ours {'with' if fast else 'without'} rows-first linear layers")
     print("| prompts | prompt tokens (mean) | generate_completions tok/s | bare generate tok/s | ratio [95 % CI] |")
     print("|---|---|---|---|---|")
     for name, texts in (sets[key] for key in args.sets):
