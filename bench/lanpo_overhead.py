@@ -3,6 +3,9 @@ B x G, on the embedded model, with few problems so that they recur and both kind
 Breaks the extra time down into retrieval, relevance scoring, abstraction and longer prompts, and
 estimates what the lessons cache saved (cached problems x mean cost of one distillation). Runs alternate
 (GRPO, LANPO, GRPO, LANPO, ...) in fresh processes; the ratio is of the medians over every timed step.
+Each arm runs lanpo.py through bench/work.py, which counts the FLOPs of every forward and backward by phase:
+the ratio of work a step says how much of the time ratio no implementation could remove without changing
+the method, and GFLOP/s per phase shows which phases run slowly for their work (decoding a few rows).
 Also reports what the relevance judgement accepted, so that a speed flag that changes what the policy
 sees (--relevance-text problem, --abstract-ahead) is measured for its effect, not only its speed.
 
@@ -33,7 +36,7 @@ import stats  # noqa: E402
 
 
 def run(out: Path, feedback: str, args, extra: list[str]) -> list[dict]:
-    cmd = [sys.executable, str(ROOT / "lanpo.py"), "--feedback", feedback, "--steps", str(args.steps),
+    cmd = [sys.executable, str(ROOT / "bench" / "work.py"), "--feedback", feedback, "--steps", str(args.steps),
            "--batch-problems", str(args.batch_problems), "--group-size", str(args.group_size),
            "--micro-batch", str(args.batch_problems * args.group_size // 2), "--synthetic-size",
            str(2 * args.batch_problems), "--max-new-tokens", str(args.max_new_tokens), "--abstract-max-tokens", "48",
@@ -89,6 +92,32 @@ def main() -> None:
         "flags": {"both": args.both_flags, "lanpo": args.lanpo_flags}, "rounds": args.rounds,
         "cache_saved_s_estimate": sum(r["principles_cached"] for r in lanpo) * per_distillation / max(1, len(lanpo)),
     }
+    # work (bench/work.py): GFLOP a step by phase, each phase against the seconds it is timed in
+    phases = {"sampling": ("time_generate",), "principles": ("time_abstraction",), "relevance": ("time_relevance",),
+              "retrieval": ("time_retrieval",), "update": ("time_logprob", "time_update")}
+    work = lambda rs, phase: [r.get(f"work/{phase}_gflop", 0.0) for r in rs if r["step"] > 1]  # noqa: E731
+    total = lambda rs: [sum(r[k] for k in r if k.startswith("work/") and k.endswith("_gflop")  # noqa: E731
+                            and not k.endswith("_padding_gflop")) for r in rs if r["step"] > 1]
+    useful = lambda rs: [t - sum(r[k] for k in r if k.endswith("_padding_gflop"))  # noqa: E731
+                         for t, r in zip(total(rs), [r for r in rs if r["step"] > 1])]
+    result["work_gflop"] = {arm: {p: float(np.mean(work(rs, p))) for p in phases} for arm, rs in (("grpo", grpo),
+                                                                                               ("lanpo", lanpo))}
+    result["work_s"] = {arm: {p: float(np.mean([sum(r.get(k, 0.0) for k in keys) for r in rs if r["step"] > 1]))
+                              for p, keys in phases.items()} for arm, rs in (("grpo", grpo), ("lanpo", lanpo))}
+    result["padding_gflop"] = {arm: {p: float(np.mean([r.get(f"work/{p}_padding_gflop", 0.0) for r in rs
+                                                        if r["step"] > 1])) for p in phases}
+                               for arm, rs in (("grpo", grpo), ("lanpo", lanpo))}
+    result["work_ratio"] = float(np.median(total(lanpo)) / np.median(total(grpo)))
+    result["work_ratio_95"] = stats.median_ratio_interval(total(lanpo), total(grpo))
+    result["useful_work_ratio"] = float(np.median(useful(lanpo)) / np.median(useful(grpo)))
+    result["useful_work_ratio_95"] = stats.median_ratio_interval(useful(lanpo), useful(grpo))
+    # the floor: LANPO's extra work (padding left out) run at the fastest rate any phase reached here, on top
+    # of GRPO's step as it is. No implementation of the same method beats it on this machine without making
+    # GRPO's own step slower; a faster GRPO raises it.
+    result["peak_gflop_s"] = max(result["work_gflop"][arm][p] / result["work_s"][arm][p] for arm in ("grpo", "lanpo")
+                                 for p in phases if result["work_s"][arm][p] > 0)
+    extra = float(np.median(useful(lanpo)) - np.median(useful(grpo)))
+    result["ratio_floor"] = 1 + extra / result["peak_gflop_s"] / result["grpo_step_s"]
     result["ratio"] = result["lanpo_step_s"] / result["grpo_step_s"]
     result["ratio_95"] = stats.median_ratio_interval(timed(lanpo, "time_step"), timed(grpo, "time_step"))
     print(f"B={args.batch_problems} G={args.group_size}, {args.max_new_tokens} new tokens, {args.rounds} rounds x "
@@ -100,6 +129,20 @@ def main() -> None:
     print("seconds per step (mean): GRPO, LANPO, LANPO - GRPO")
     for k, v in result["breakdown_mean_s"].items():
         print(f"  {k:17s} {result['mean_s']['grpo'][k]:6.2f} {result['mean_s']['lanpo'][k]:6.2f} {v:+.2f}")
+    print(f"work a step (median GFLOP): GRPO {np.median(total(grpo)):.0f}, LANPO {np.median(total(lanpo)):.0f}, "
+          f"ratio {result['work_ratio']:.2f} ({result['work_ratio_95'][0]:.2f}-{result['work_ratio_95'][1]:.2f})")
+    print(f"without padding: GRPO {np.median(useful(grpo)):.0f}, LANPO {np.median(useful(lanpo)):.0f}, ratio "
+          f"{result['useful_work_ratio']:.2f} ({result['useful_work_ratio_95'][0]:.2f}-"
+          f"{result['useful_work_ratio_95'][1]:.2f})")
+    print(f"floor: LANPO's extra work at the fastest rate measured here ({result['peak_gflop_s']:.0f} GFLOP/s) on top "
+          f"of GRPO's step gives a ratio of at least {result['ratio_floor']:.2f}")
+    print("GFLOP a step (mean; of it padding) and GFLOP/s: GRPO, LANPO")
+    for p in phases:
+        g, lw = result["work_gflop"]["grpo"][p], result["work_gflop"]["lanpo"][p]
+        gp, lp = result["padding_gflop"]["grpo"][p], result["padding_gflop"]["lanpo"][p]
+        gs, ls = result["work_s"]["grpo"][p], result["work_s"]["lanpo"][p]
+        rate = lambda w, s: f"{w / s:6.0f}" if s > 0 and w > 0 else "     -"  # noqa: E731
+        print(f"  {p:11s} {g:6.0f} ({gp:4.0f}) {lw:6.0f} ({lp:4.0f})   {rate(g, gs)} {rate(lw, ls)}")
     print(f"prompt tokens per rollout: GRPO {result['prompt_tokens']['grpo']:.0f}, "
           f"LANPO {result['prompt_tokens']['lanpo']:.0f}")
     print(f"rollouts by kind: {result['rollouts_by_kind']}; principles made {made:.0f}, served from cache "
