@@ -113,6 +113,10 @@ class Config:
     max_grad_norm: float = _f(1.0, "clip the global gradient norm (0 = off)")
     ppo_epochs: int = _f(1, "mu: optimizer updates per batch of rollouts (old log-probs computed once when > 1)")
     micro_batch: int = _f(8, "rollouts per forward/backward; B*G must be a multiple")
+    update_chunks: int = _f(4, "at most this many forwards per micro-batch in the update, each over rows of "
+                            "similar completion length padded to their own longest, where a split saves enough "
+                            "padding to pay for the extra forward (grpo.chunk_count); 1 = one forward padded to "
+                            "the micro-batch's longest. The same log-probs and gradient, less compute")
     share_prompt_forward: bool = _f(True, "in the update, run a prompt repeated within a micro-batch (a group's G "
                                     "rollouts) through the model once and let its rows' completions attend to its "
                                     "KV cache: the same loss and gradient, less compute. Turned off (and said) under "
@@ -212,9 +216,9 @@ def check_config(cfg: Config) -> None:
     if cfg.group_size < 2:
         raise SystemExit("--group-size must be >= 2: GRPO's advantage compares rollouts of one problem")
     for name in ("steps", "batch_problems", "synthetic_size", "max_new_tokens", "ppo_epochs", "gen_batch", "keep_last",
-                 "micro_batch", "max_bad_updates", "reflect_attempts", "attempt_tokens", "inter_candidates",
-                 "abstract_refresh", "abstract_max_tokens", "pool_per_problem", "pool_max_problems", "lora_alpha",
-                 "max_prompt_tokens"):
+                 "micro_batch", "update_chunks", "max_bad_updates", "reflect_attempts", "attempt_tokens",
+                 "inter_candidates", "abstract_refresh", "abstract_max_tokens", "pool_per_problem", "pool_max_problems",
+                 "lora_alpha", "max_prompt_tokens"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if rollouts % cfg.micro_batch:
@@ -470,6 +474,7 @@ class MicroBatch:
     ref_logps: torch.Tensor | None = None      # reference policy, when beta > 0
     teacher_inputs: tuple | None = None        # (ids, attn) of the self-distillation teacher's prompts
     has_teacher: torch.Tensor | None = None
+    chunks: int = 1                            # forwards over its completions (grpo.chunk_count, agreed)
 
 
 @dataclass
@@ -495,19 +500,21 @@ def micro_batches(model, ref_model, b: UpdateBatch, cfg: Config, pad_id: int, de
     for start in range(0, len(order), cfg.micro_batch):
         idx = order[start:start + cfg.micro_batch]
         mb = MicroBatch(*pack([rows[i] for i in idx], pad_id, device), advantages=b.advantages[idx].to(device))
+        # every process takes the most groups any wants: under ZeRO-3 and FSDP every forward is collective
+        mb.chunks = max(distributed.gather([grpo.chunk_count(mb.cmask.sum(dim=1), cfg.update_chunks)]))
         with torch.no_grad():
             if b.behaviour is not None:  # the same rows, on the prompt each was sampled with
                 sampled = pack([rows[i] if b.behaviour[i] is None else b.behaviour[i] for i in idx], pad_id, device)
                 mb.sampling_logps = grpo.token_logprobs(model, *sampled, cfg.micro_batch, cfg.temperature,
-                                                        cfg.share_prompt_forward)[0]
+                                                        cfg.share_prompt_forward, mb.chunks)[0]
                 mb.off_policy = torch.tensor([b.behaviour[i] is not None for i in idx], device=device)
             if cfg.feedback_grad == "strip" and b.behaviour is not None:
                 mb.old_logps = mb.sampling_logps  # pi(y | plain) / pi(y | feedback): off-policy samples
             elif cfg.ppo_epochs > 1:  # on-policy with one epoch the ratio is exactly 1: no forward needed
                 mb.old_logps = grpo.token_logprobs(model, mb.ids, mb.attn, mb.cmask, cfg.micro_batch,
-                                                   cfg.temperature, cfg.share_prompt_forward)[0]
+                                                   cfg.temperature, cfg.share_prompt_forward, mb.chunks)[0]
             if cfg.beta > 0:
-                mb.ref_logps = reference_logprobs(model, ref_model, mb.ids, mb.attn, mb.cmask, cfg)
+                mb.ref_logps = reference_logprobs(model, ref_model, mb.ids, mb.attn, mb.cmask, cfg, mb.chunks)
         if b.teachers is not None:
             mb.teacher_inputs = pack([rows[i] if b.teachers[i] is None else b.teachers[i] for i in idx],
                                      pad_id, device)[:2]
@@ -523,10 +530,10 @@ def forward(model, mb: MicroBatch, cfg: Config) -> Forward:
     if mb.teacher_inputs is not None:
         with torch.no_grad():
             teacher_logps, teacher_ids = distill.teacher_logprobs(grpo.completion_logits(
-                model, *mb.teacher_inputs, mb.cmask.shape[1], cfg.temperature, cfg.share_prompt_forward),
-                cfg.self_distill_topk)
+                model, *mb.teacher_inputs, mb.cmask.shape[1], cfg.temperature, cfg.share_prompt_forward,
+                mb.chunks), cfg.self_distill_topk)
     logits = grpo.completion_logits(model, mb.ids, mb.attn, mb.cmask.shape[1], cfg.temperature,
-                                    cfg.share_prompt_forward)
+                                    cfg.share_prompt_forward, mb.chunks)
     logps, entropy = grpo.selective_log_softmax(logits, mb.ids[:, -mb.cmask.shape[1]:])
     mask = mb.cmask.to(logps.dtype)
     logps, entropy = logps * mask, entropy * mask
@@ -690,15 +697,15 @@ def oom_hint(phase: str, remedy: str, out_dir: Path):
                          f"(resume with --resume)") from None
 
 
-def reference_logprobs(model, ref_model, ids, attn, cmask, cfg: Config) -> torch.Tensor:
+def reference_logprobs(model, ref_model, ids, attn, cmask, cfg: Config, chunks: int) -> torch.Tensor:
     """Log-probs under the reference policy: the adapter-disabled model for LoRA (no second copy),
     else the frozen initial copy."""
     if ref_model is None:
         with model.disable_adapter():
             return grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch, cfg.temperature,
-                                       cfg.share_prompt_forward)[0]
+                                       cfg.share_prompt_forward, chunks)[0]
     return grpo.token_logprobs(ref_model, ids, attn, cmask, cfg.micro_batch, cfg.temperature,
-                               cfg.share_prompt_forward)[0]
+                               cfg.share_prompt_forward, chunks)[0]
 
 
 def evaluate_accuracy(run: Run, step: int) -> dict[str, float]:

@@ -1,9 +1,12 @@
 """grpo.py: advantages, masks, log-probs and the loss against numbers worked by hand, plus properties."""
 
+import itertools
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import grpo
 from rollout import Completion, pack
@@ -174,10 +177,15 @@ def repeated_prompt_batch(tokenizer):
     return pack(comps, tokenizer.pad_token_id, "cpu")
 
 
-def logits_and_gradients(model, ids, attn, cmask, share: bool):
-    """The completion logits and the gradient of a weighted sum of the completion log-probs."""
+def logits_and_gradients(model, ids, attn, cmask, share: bool, chunks: int = 1, reference: bool = False):
+    """The completion logits and the gradient of a weighted sum of the completion log-probs. reference: one
+    forward over the whole padded rows, logits of the positions before each completion token, by hand."""
     model.zero_grad(set_to_none=True)
-    logits = grpo.completion_logits(model, ids, attn, cmask.shape[1], 0.7, share_prompts=share)
+    if reference:
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=grpo.position_ids(attn)).logits
+        logits = logits[:, ids.shape[1] - cmask.shape[1] - 1:-1] / 0.7
+    else:
+        logits = grpo.completion_logits(model, ids, attn, cmask.shape[1], 0.7, share_prompts=share, chunks=chunks)
     logps, _ = grpo.selective_log_softmax(logits, ids[:, -cmask.shape[1]:])
     weights = torch.linspace(-1.0, 2.0, logps.numel()).view_as(logps)
     (logps * cmask * weights).sum().backward()
@@ -186,20 +194,61 @@ def logits_and_gradients(model, ids, attn, cmask, share: bool):
     return logits.detach(), grads
 
 
-def test_shared_prompt_forward_gives_the_plain_logits_and_gradients(tiny):
+@pytest.mark.parametrize("share, chunks", [(False, 1), (True, 1), (False, 3), (True, 3), (True, 6), (True, 10)])
+def test_shared_and_chunked_forwards_give_the_plain_logits_and_gradients(tiny, share, chunks):
+    """Prompt sharing and length groups change which positions are computed, not the function: the
+    completion logits and the gradient equal one forward over the whole padded rows."""
     model, tokenizer = tiny
     model.train()
     ids, attn, cmask = repeated_prompt_batch(tokenizer)
-    plain_logits, plain_grads = logits_and_gradients(model, ids, attn, cmask, share=False)
-    shared_logits, shared_grads = logits_and_gradients(model, ids, attn, cmask, share=True)
+    plain_logits, plain_grads = logits_and_gradients(model, ids, attn, cmask, share=False, reference=True)
+    shared_logits, shared_grads = logits_and_gradients(model, ids, attn, cmask, share=share, chunks=chunks)
     keep = cmask.bool()
     torch.testing.assert_close(shared_logits[keep], plain_logits[keep], atol=1e-5, rtol=1e-5)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
     with torch.no_grad():  # token_logprobs in micro-batches takes the same path
-        a = grpo.token_logprobs(model, ids, attn, cmask, micro_batch=4, share_prompts=True)[0]
+        a = grpo.token_logprobs(model, ids, attn, cmask, micro_batch=4, share_prompts=share, chunks=chunks)[0]
         b = grpo.token_logprobs(model, ids, attn, cmask, micro_batch=4)[0]
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_length_chunks_pad_least_by_hand():
+    rows = lambda groups: [(r.tolist(), w) for r, w in groups]  # noqa: E731
+    assert rows(grpo.length_chunks(torch.tensor([1, 8, 1, 8]), 2)) == [([1, 3], 8), ([0, 2], 1)]
+    # sorted 6 5 4 2 1 0(->1): {6} {5 4} {2 1 1} pads 0 + 1 + 2, as few as any split into 3
+    assert rows(grpo.length_chunks(torch.tensor([5, 1, 4, 0, 6, 2]), 3)) == [([4], 6), ([0, 2], 5), ([1, 3, 5], 2)]
+    assert rows(grpo.length_chunks(torch.tensor([3, 7]), 4)) == [([1], 7), ([0], 3)]  # never more groups than rows
+    assert rows(grpo.length_chunks(torch.tensor([3, 7, 2]), 1)) == [([0, 1, 2], 7)]
+
+
+def test_chunk_count_splits_only_where_it_saves_enough():
+    # [8 8 1 1]: one forward pads 14 of 32 positions, two pad none; a second forward costs 0.1 x 32 = 3.2
+    assert grpo.chunk_count(torch.tensor([8, 1, 8, 1]), 4) == 2
+    assert grpo.chunk_count(torch.tensor([8, 1, 8, 1]), 1) == 1
+    assert grpo.chunk_count(torch.tensor([5, 5, 4, 5]), 4) == 1  # saves 1 position of 20: not worth a forward
+    # a forward beyond the first costs 0.1 x 3 rows x 9 = 2.7 positions. [9 5 1]: one forward pads 12,
+    # {9} {5 1} 4 + 2.7, {9} {5} {1} 0 + 5.4 -> three. [9 8 1]: 9, {9 8} {1} 1 + 2.7, three 0 + 5.4 -> two
+    assert grpo.chunk_count(torch.tensor([1, 5, 9]), 3) == 3
+    assert grpo.chunk_count(torch.tensor([1, 8, 9]), 3) == 2
+    assert grpo.chunk_count(torch.tensor([1, 5, 9]), 2) == 2
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=9), st.integers(1, 5))
+@settings(max_examples=200, deadline=None)
+def test_length_chunks_is_the_least_padded_split(lengths, chunks):
+    """Every row in exactly one group, min(chunks, rows) groups, each as wide as its longest row, and no
+    split of the sorted rows into that many contiguous groups pads fewer positions (brute force)."""
+    groups = grpo.length_chunks(torch.tensor(lengths), chunks)
+    size = [max(n, 1) for n in lengths]
+    assert sorted(i for r, _ in groups for i in r.tolist()) == list(range(len(lengths)))
+    assert len(groups) == min(chunks, len(lengths))
+    assert all(w == max(size[i] for i in r.tolist()) for r, w in groups)
+    padding = sum(w - size[i] for r, w in groups for i in r.tolist())
+    ordered = sorted(size, reverse=True)
+    best = min(sum(max(ordered[a:b]) * (b - a) - sum(ordered[a:b]) for a, b in zip((0, *cuts), (*cuts, len(size))))
+               for cuts in itertools.combinations(range(1, len(size)), len(groups) - 1))
+    assert padding == best
 
 
 def test_shared_prompt_gradient_check_fails_when_copies_do_not_carry_gradient(tiny, monkeypatch):
