@@ -10,8 +10,9 @@ place of lanpo.py, adjusts accelerate's process state for the CPU and then calls
 - ddp: lanpo's own --cpu (accelerate's MULTI_CPU).
 It also makes what the tests check observable: the optimizer updates the engine applied after each lanpo
 step, each process's experience pool, processes that make different numbers of forward passes outside
-the update (each rank runs `rank` extra forwards before every relevance/principles pass), and non-main
-processes that write their checkpoint files late (a rename that does not wait for them loses them).
+the update (each rank runs `rank` extra forwards before every relevance/principles pass), non-main
+processes that write their checkpoint files late (a rename that does not wait for them loses them), and on
+request processes that want different numbers of update forwards (recording the numbers they made).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"ddp": "ddp.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml", "fsdp": "fsdp.yaml"}
 
 
-def launch(engine: str, args: list[str], processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(engine: str, args: list[str], processes: int = 2, timeout: int = 300,
+           uneven_chunks: bool = False) -> subprocess.CompletedProcess:
     """Run lanpo under `engine` ("single" = one plain process, no launcher) and return the finished process
-    (stdout and stderr captured); raises with the processes' output if it fails."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", LANPO_TEST_ENGINE=engine, DS_ACCELERATOR="cpu")
+    (stdout and stderr captured); raises with the processes' output if it fails. uneven_chunks: rank r asks
+    for 1 + 2r forwards over each micro-batch's completions in the update (`grpo.chunk_count`)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", LANPO_TEST_ENGINE=engine, DS_ACCELERATOR="cpu",
+               LANPO_TEST_UNEVEN_CHUNKS="1" if uneven_chunks else "")
     if engine == "single":
         command = [sys.executable, __file__, *args]
     else:
@@ -97,6 +101,7 @@ def _run(argv: list[str]) -> None:
     from conftest import fake_grade
 
     import abstract
+    import grpo
     import lanpo
     import math_grader
 
@@ -128,10 +133,16 @@ def _run(argv: list[str]) -> None:
         return real_save(self, *args, **kwargs)
 
     lanpo.policy_update, abstract.lessons_for, Accelerator.save_state = recorded_update, uneven_lessons, late_save
+    groups_made: list[int] = []
+    if os.environ.get("LANPO_TEST_UNEVEN_CHUNKS"):
+        real_chunks = grpo.length_chunks
+        grpo.chunk_count = lambda lengths, most: min(most, 1 + 2 * PartialState().process_index)
+        grpo.length_chunks = lambda lengths, chunks: groups_made.append(chunks) or real_chunks(lengths, chunks)
     pool = lanpo.main(lanpo.parse_config(argv))
     rank = PartialState().process_index
     pool.save(out_dir / f"pool-rank{rank}.jsonl")
     (out_dir / f"engine-updates-rank{rank}.json").write_text(json.dumps(updates))
+    (out_dir / f"update-groups-rank{rank}.json").write_text(json.dumps(groups_made))
 
 
 if __name__ == "__main__":

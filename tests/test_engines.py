@@ -124,6 +124,23 @@ def test_zero3_with_every_feedback_gradient_term_trains_like_ddp(run):
     assert engine_updates(zero3) == [PPO_EPOCHS, 2 * PPO_EPOCHS]
 
 
+@pytest.mark.parametrize("engine", ["zero3", "fsdp"])
+def test_processes_agree_on_the_update_forwards(engine, tiny_model_dir, tmp_path):
+    """Rank 0 wants one forward over each micro-batch's completions, rank 1 three (`grpo.chunk_count`
+    patched): both make three, so the collective forwards of ZeRO-3 and FSDP2 stay in step, and the run trains
+    as DDP does with the same groups. Each process would otherwise make its own number and the run would hang
+    or fail."""
+    settings = [*SETTINGS, "--steps", "2", "--save-every", "0"]
+    out = tmp_path / engine
+    launch(engine, ["--model", str(tiny_model_dir), "--out-dir", str(out), *settings], uneven_chunks=True)
+    made = [json.loads((out / f"update-groups-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert made[0] == made[1] and len(made[0]) > 0 and set(made[0]) == {3}
+    ddp = tmp_path / "ddp"
+    launch("ddp", ["--model", str(tiny_model_dir), "--out-dir", str(ddp), *settings,
+                   *(["--no-share-prompt-forward"] if engine == "fsdp" else [])], uneven_chunks=True)
+    _same_numbers(metrics(out), metrics(ddp), rel=1e-4)
+
+
 def test_launch_that_accelerate_does_not_see_is_refused(tiny_model_dir, tmp_path):
     """Two processes started, but accelerate (no --cpu, no GPU) sees each alone: refused before the model
     loads, nothing written (it used to run two independent jobs into one out-dir)."""
