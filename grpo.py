@@ -83,9 +83,10 @@ def cache_kwarg() -> str:
 CHUNK_MIN_SAVING = 0.1
 
 
-def _least_padded_splits(size: list[int], most: int) -> tuple[list[float], list[list[int]]]:
-    """For the lengths `size` sorted longest first and each j = 1..most groups: the fewest padded positions
-    of a contiguous split into j groups (a group is as wide as its first, longest row) and the split's cuts."""
+def _least_padded_splits(size: list[int], most: int) -> tuple[list[float], list[int]]:
+    """For the lengths `size` sorted longest first: the fewest padded positions of a contiguous split into j
+    groups for each j = 1..most (a group is as wide as its first, longest row), and where each of the `most`
+    groups of the best split into `most` ends."""
     n = len(size)
     total = [0]
     for s in size:
@@ -100,14 +101,10 @@ def _least_padded_splits(size: list[int], most: int) -> tuple[list[float], list[
                 c = cost[j - 1][start] + (i - start) * size[start] - (total[i] - total[start])
                 if c < cost[j][i]:
                     cost[j][i], cut[j][i] = c, start
-    splits = []
-    for j in range(1, most + 1):
-        bounds, i = [], n
-        for g in range(j, 0, -1):
-            bounds.append(cut[g][i])
-            i = cut[g][i]
-        splits.append(sorted(bounds)[1:] + [n])
-    return [cost[j][n] for j in range(1, most + 1)], splits
+    ends = [n]
+    for j in range(most, 1, -1):
+        ends.append(cut[j][ends[-1]])
+    return [cost[j][n] for j in range(1, most + 1)], ends[::-1]
 
 
 def chunk_count(lengths: torch.Tensor, most: int) -> int:
@@ -125,8 +122,7 @@ def length_chunks(lengths: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor
     positions (dynamic programming). Each group's rows in their original order."""
     order = torch.argsort(lengths, descending=True, stable=True)
     size = [max(int(n), 1) for n in lengths[order].tolist()]
-    _, splits = _least_padded_splits(size, min(chunks, len(size)))
-    ends = splits[-1]
+    _, ends = _least_padded_splits(size, min(chunks, len(size)))
     return [(order[a:b].sort().values, size[a]) for a, b in zip([0, *ends[:-1]], ends)]
 
 

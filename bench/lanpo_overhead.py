@@ -95,18 +95,16 @@ def main() -> None:
     # work (bench/work.py): GFLOP a step by phase, each phase against the seconds it is timed in
     phases = {"sampling": ("time_generate",), "principles": ("time_abstraction",), "relevance": ("time_relevance",),
               "retrieval": ("time_retrieval",), "update": ("time_logprob", "time_update")}
-    work = lambda rs, phase: [r.get(f"work/{phase}_gflop", 0.0) for r in rs if r["step"] > 1]  # noqa: E731
+    arms = (("grpo", grpo), ("lanpo", lanpo))
     total = lambda rs: [sum(r[k] for k in r if k.startswith("work/") and k.endswith("_gflop")  # noqa: E731
                             and not k.endswith("_padding_gflop")) for r in rs if r["step"] > 1]
     useful = lambda rs: [t - sum(r[k] for k in r if k.endswith("_padding_gflop"))  # noqa: E731
                          for t, r in zip(total(rs), [r for r in rs if r["step"] > 1])]
-    result["work_gflop"] = {arm: {p: float(np.mean(work(rs, p))) for p in phases} for arm, rs in (("grpo", grpo),
-                                                                                               ("lanpo", lanpo))}
-    result["work_s"] = {arm: {p: float(np.mean([sum(r.get(k, 0.0) for k in keys) for r in rs if r["step"] > 1]))
-                              for p, keys in phases.items()} for arm, rs in (("grpo", grpo), ("lanpo", lanpo))}
-    result["padding_gflop"] = {arm: {p: float(np.mean([r.get(f"work/{p}_padding_gflop", 0.0) for r in rs
-                                                        if r["step"] > 1])) for p in phases}
-                               for arm, rs in (("grpo", grpo), ("lanpo", lanpo))}
+    result["work_gflop"] = {arm: {p: float(np.mean(timed(rs, f"work/{p}_gflop"))) for p in phases} for arm, rs in arms}
+    result["work_s"] = {arm: {p: float(np.sum([np.mean(timed(rs, k)) for k in keys])) for p, keys in phases.items()}
+                        for arm, rs in arms}
+    result["padding_gflop"] = {arm: {p: float(np.mean(timed(rs, f"work/{p}_padding_gflop"))) for p in phases}
+                               for arm, rs in arms}
     result["work_ratio"] = float(np.median(total(lanpo)) / np.median(total(grpo)))
     result["work_ratio_95"] = stats.median_ratio_interval(total(lanpo), total(grpo))
     result["useful_work_ratio"] = float(np.median(useful(lanpo)) / np.median(useful(grpo)))
