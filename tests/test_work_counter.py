@@ -37,6 +37,36 @@ def test_flops_of_a_forward_by_hand(tiny):
         work.counts.clear()
 
 
+def test_prompt_padding_of_the_update_is_counted_apart(tiny, monkeypatch):
+    import grpo
+    model, tokenizer = tiny
+    cfg = model.config
+    decoder = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
+    pad = tokenizer.pad_token_id
+    # [left pad | prompt | completion]: prompts share 5, 6, 7; after it, forward (2) runs columns 3-4 of both
+    # distinct prompts (their last token goes with the completion): 2 real positions for A, none for B. B's
+    # completion is one token: forward (3) pads too, and that padding is not the prompts'
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 12, 13, 14], [pad, pad, 5, 6, 7, 11, 12, pad, pad]])
+    mask = torch.tensor([[1] * 9, [0, 0, 1, 1, 1, 1, 1, 0, 0]])
+    forward2 = 2 * 2 * (2 * decoder + 4 * cfg.num_hidden_layers * cfg.hidden_size * 5) \
+        + 2 * cfg.vocab_size * cfg.hidden_size * 2  # 2 rows x 2 tokens over 5 key columns; the head on 1 each
+    monkeypatch.setattr(work, "phase_of_caller", lambda: "update")
+    hook = model.register_forward_pre_hook(work.counter(model, {pad}), with_kwargs=True)
+    try:
+        work.counts.clear()
+        with torch.no_grad():
+            grpo.completion_logits(model, ids, mask, 3, share_prompts=True)
+        assert work.counts["update_prompts_padding_gflop"] * 1e9 == pytest.approx(forward2 / 2)
+        assert work.counts["update_padding_gflop"] > work.counts["update_prompts_padding_gflop"]
+        work.counts.clear()
+        with torch.no_grad():  # one forward over whole rows: no prefix tree, nothing counted apart
+            grpo.completion_logits(model, ids, mask, 3)
+        assert "update_prompts_padding_gflop" not in work.counts and work.counts["update_padding_gflop"] > 0
+    finally:
+        hook.remove()
+        work.counts.clear()
+
+
 @pytest.mark.parametrize("feedback", ["none", "both"])
 def test_a_runs_work_is_attributed_to_its_phases(tiny_model_dir, tmp_path, graded_by_parity, feedback):
     out = tmp_path / feedback
@@ -47,7 +77,7 @@ def test_a_runs_work_is_attributed_to_its_phases(tiny_model_dir, tmp_path, grade
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     phases = {key.split("/")[1].rsplit("_", 1)[0] for r in records for key in r if key.endswith("_gflop")}
     if feedback == "none":
-        assert phases == {"sampling", "update", "sampling_padding", "update_padding"}
+        assert phases == {"sampling", "update", "sampling_padding", "update_padding", "update_prompts_padding"}
     else:  # step 2 judges the other problem's trials and distils principles from those it keeps
         assert {"relevance", "principles"} <= phases and "other" not in phases
         assert records[1]["work/relevance_tokens"] > 0 and records[1]["principles_made"] == 2
