@@ -98,15 +98,15 @@ def main() -> None:
     arms = (("grpo", grpo), ("lanpo", lanpo))
     total = lambda rs: [sum(r[k] for k in r if k.startswith("work/") and k.endswith("_gflop")  # noqa: E731
                             and not k.endswith("_padding_gflop")) for r in rs if r["step"] > 1]
-    prompts_padding = "work/update_prompts_padding_gflop"  # a part of update_padding_gflop, not a phase's own
-    useful = lambda rs: [t - sum(r[k] for k in r if k.endswith("_padding_gflop") and k != prompts_padding)  # noqa: E731
+    useful = lambda rs: [t - sum(r[k] for k in r if k.endswith("_padding_gflop"))  # noqa: E731
                          for t, r in zip(total(rs), [r for r in rs if r["step"] > 1])]
     result["work_gflop"] = {arm: {p: float(np.mean(timed(rs, f"work/{p}_gflop"))) for p in phases} for arm, rs in arms}
     result["work_s"] = {arm: {p: float(np.sum([np.mean(timed(rs, k)) for k in keys])) for p, keys in phases.items()}
                         for arm, rs in arms}
     result["padding_gflop"] = {arm: {p: float(np.mean(timed(rs, f"work/{p}_padding_gflop"))) for p in phases}
                                for arm, rs in arms}
-    result["update_prompts_padding_gflop"] = {arm: float(np.mean(timed(rs, prompts_padding))) for arm, rs in arms}
+    result["update_padding_gflop_prompts"] = {arm: float(np.mean(timed(rs, "work/update_padding_gflop_prompts")))
+                                              for arm, rs in arms}
     result["work_ratio"] = float(np.median(total(lanpo)) / np.median(total(grpo)))
     result["work_ratio_95"] = stats.median_ratio_interval(total(lanpo), total(grpo))
     result["useful_work_ratio"] = float(np.median(useful(lanpo)) / np.median(useful(grpo)))
@@ -144,8 +144,8 @@ def main() -> None:
         rate = lambda w, s: f"{w / s:6.0f}" if s > 0 and w > 0 else "     -"  # noqa: E731
         print(f"  {p:11s} {g:6.0f} ({gp:4.0f}) {lw:6.0f} ({lp:4.0f})   {rate(g, gs)} {rate(lw, ls)}")
     print(f"  of the update's padding, distinct prompts padded to the longest in forward (2) of the prefix tree: "
-          f"GRPO {result['update_prompts_padding_gflop']['grpo']:.0f}, "
-          f"LANPO {result['update_prompts_padding_gflop']['lanpo']:.0f}")
+          f"GRPO {result['update_padding_gflop_prompts']['grpo']:.0f}, "
+          f"LANPO {result['update_padding_gflop_prompts']['lanpo']:.0f}")
     print(f"prompt tokens per rollout: GRPO {result['prompt_tokens']['grpo']:.0f}, "
           f"LANPO {result['prompt_tokens']['lanpo']:.0f}")
     print(f"rollouts by kind: {result['rollouts_by_kind']}; principles made {made:.0f}, served from cache "

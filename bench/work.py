@@ -8,10 +8,11 @@ slowly).
 
 Per step, each phase p (sampling, principles, relevance, retrieval, update, eval, other) adds
 `work/p_gflop` (padding included, as computed), `work/p_padding_gflop` (the part spent on padding: mask-0
-positions, and decoding rows that have already stopped), `work/update_prompts_padding_gflop` (the update's
-padding in forward (2) of the prompt prefix tree, `grpo.shared_prompt_logits`: distinct prompts padded to the
-longest of their micro-batch), `work/p_tokens` (token positions computed) and
-`work/p_decode_rows` (forwards of one new token per row: decoding). A forward of T new tokens over K key
+positions, and decoding rows that have already stopped), `work/p_tokens` (token positions computed) and
+`work/p_decode_rows` (forwards of one new token per row: decoding). `work/update_padding_gflop_prompts` is the
+part of the update's padding in forward (2) of the prompt prefix tree (`grpo.shared_prompt_logits`: distinct
+prompts padded to the longest of their micro-batch); its name does not end in _gflop, so that sums over the
+phases' keys do not count it again. A forward of T new tokens over K key
 columns (the attention mask's width, padding and cache included, as computed) counts 2 x (the parameters of
 the decoder layers) per token, 4 x layers x hidden x K per token for attention, and 2 x vocab x hidden per
 position the LM head computes; x3 under grad (the backward costs twice the forward). Layer norms, rotary
@@ -81,7 +82,7 @@ def counter(model, stop_ids: set[int]):
         # forward (2) keeps one logit a row and continues the prefix's cache; so does forward (3) for a group
         # whose completions are all one token long (rare), which is counted here too
         if phase == "update" and keep == 1 and keys > new:
-            counts["update_prompts_padding_gflop"] += padding
+            counts["update_padding_gflop_prompts"] += padding
         counts[f"{phase}_tokens"] += rows * new
         if new == 1:
             counts[f"{phase}_decode_rows"] += rows

@@ -56,12 +56,12 @@ def test_prompt_padding_of_the_update_is_counted_apart(tiny, monkeypatch):
         work.counts.clear()
         with torch.no_grad():
             grpo.completion_logits(model, ids, mask, 3, share_prompts=True)
-        assert work.counts["update_prompts_padding_gflop"] * 1e9 == pytest.approx(forward2 / 2)
-        assert work.counts["update_padding_gflop"] > work.counts["update_prompts_padding_gflop"]
+        assert work.counts["update_padding_gflop_prompts"] * 1e9 == pytest.approx(forward2 / 2)
+        assert work.counts["update_padding_gflop"] > work.counts["update_padding_gflop_prompts"]
         work.counts.clear()
         with torch.no_grad():  # one forward over whole rows: no prefix tree, nothing counted apart
             grpo.completion_logits(model, ids, mask, 3)
-        assert "update_prompts_padding_gflop" not in work.counts and work.counts["update_padding_gflop"] > 0
+        assert "update_padding_gflop_prompts" not in work.counts and work.counts["update_padding_gflop"] > 0
     finally:
         hook.remove()
         work.counts.clear()
@@ -77,7 +77,7 @@ def test_a_runs_work_is_attributed_to_its_phases(tiny_model_dir, tmp_path, grade
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     phases = {key.split("/")[1].rsplit("_", 1)[0] for r in records for key in r if key.endswith("_gflop")}
     if feedback == "none":
-        assert phases == {"sampling", "update", "sampling_padding", "update_padding", "update_prompts_padding"}
+        assert phases == {"sampling", "update", "sampling_padding", "update_padding"}
     else:  # step 2 judges the other problem's trials and distils principles from those it keeps
         assert {"relevance", "principles"} <= phases and "other" not in phases
         assert records[1]["work/relevance_tokens"] > 0 and records[1]["principles_made"] == 2
