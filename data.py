@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -26,64 +27,88 @@ FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 THINGS = ["apples", "pencils", "stickers", "marbles", "books", "coins", "cards", "shells"]
 
 
-def _arith_problem(rng: random.Random, level: int) -> tuple[str, int]:
-    """One arithmetic problem of the given difficulty level (1 = easiest; level L needs L-ish steps or digits).
+def _arith_problem(rng: random.Random, level: int) -> tuple[str, int, str]:
+    """One arithmetic problem of the given difficulty level (1 = easiest; level L needs L-ish steps or digits):
+    (text, answer, content). `content` is the arithmetic whatever the wording, operands of + and * sorted
+    ("+ 5 23" for "What is 23 + 5?" and for "Tom has 23 apples and gets 5 more ..."): two problems with the
+    same content are one problem to a learner, so splits and retrieval compare contents, not texts.
     Pass rates of SmolLM2-135M-Instruct at T=1 with the one-shot prompt are in the README."""
     r = rng.randint
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
+
+    def content(op: str, *operands: int) -> str:
+        return " ".join([op, *map(str, operands if op == "-" else sorted(operands))])
+
     if level == 1:  # one single-digit operation
         a, b = r(1, 9), r(1, 9)
         op, value = rng.choice([("+", a + b), ("*", a * b)])
-        return rng.choice([f"What is {a} {op} {b}?", f"Compute {a} {op} {b}."]), value
+        return rng.choice([f"What is {a} {op} {b}?", f"Compute {a} {op} {b}."]), value, content(op, a, b)
     if level == 2:  # carry into the tens
         a, b = r(10, 49), r(1, 9)
         return rng.choice([f"What is {a} + {b}?", f"{name} has {a} {thing} and gets {b} more. "
-                                                  f"How many {thing} does {name} have now?"]), a + b
+                                                  f"How many {thing} does {name} have now?"]), a + b, content("+", a, b)
     if level == 3:  # two two-digit numbers
         a, b = r(10, 99), r(10, 99)
         if rng.random() < 0.5:
-            return f"What is {a} + {b}?", a + b
+            return f"What is {a} + {b}?", a + b, content("+", a, b)
         a, b = max(a, b), min(a, b)
-        return f"{name} has {a} {thing} and gives away {b}. How many {thing} are left?", a - b
+        return f"{name} has {a} {thing} and gives away {b}. How many {thing} are left?", a - b, content("-", a, b)
     if level == 4:  # three terms
         a, b, c = r(2, 30), r(2, 30), r(2, 30)
-        return f"{name} has {a} {thing}, buys {b} more, then finds {c} more. How many {thing} now?", a + b + c
+        return (f"{name} has {a} {thing}, buys {b} more, then finds {c} more. How many {thing} now?", a + b + c,
+                content("+", a, b, c))
     if level == 5:  # multiply then add
         a, b, c = r(2, 9), r(2, 9), r(1, 20)
-        return f"{name} buys {a} bags with {b} {thing} in each, then gets {c} more. How many {thing}?", a * b + c
+        return (f"{name} buys {a} bags with {b} {thing} in each, then gets {c} more. How many {thing}?", a * b + c,
+                f"{content('*', a, b)} + {c}")
     if level == 6:  # multiply then subtract, two-digit factors
         a, b, c = r(2, 12), r(2, 12), r(2, 9)
         c = min(c, a * b - 1)
         return (f"{name} has {a} boxes of {b} {thing} and gives away {c} {thing}. "
-                f"How many {thing} are left?"), a * b - c
+                f"How many {thing} are left?"), a * b - c, f"{content('*', a, b)} - {c}"
     raise ValueError(f"synthetic:arith has levels 1-{ARITH_LEVELS}, got {level}")
 
 
-
 def synthetic_arith(split: str, size: int, seed: int, levels: list[int], train_size: int = 2000) -> list[dict]:
-    """`size` problems with levels drawn uniformly from `levels`, deterministic in (split, seed).
-    Any other split never repeats a problem text of the `train_size` train problems of the same seed."""
+    """`size` problems with levels drawn uniformly from `levels`, deterministic in (split, seed). No two
+    problems of a split share their arithmetic (`content`), so none has a twin in other words for retrieval
+    to show, and N held-out problems are N distinct ones. Any other split than train never shares arithmetic
+    with the `train_size` train problems of the same seed, whatever the wording (held out by content). A
+    level whose distinct problems are used up (level 1 has 90) is no longer drawn; none left is an error."""
     for level in levels:
         if not 1 <= level <= ARITH_LEVELS:
             raise SystemExit(f"--levels: synthetic:arith has levels 1-{ARITH_LEVELS}, got {level}")
-    train_texts: set[str] = set()
+    train_contents: set[str] = set()
     if split != "train":
-        train_texts = {row["problem"] for row in synthetic_arith("train", train_size, seed, levels)}
+        train_contents = {row["content"] for row in synthetic_arith("train", train_size, seed, levels)}
     rng = random.Random(f"arith-{split}-{seed}")
-    rows, seen = [], set(train_texts)
+    rows, seen, open_levels = [], set(), list(levels)
     while len(rows) < size:
-        level = rng.choice(levels)  # drawn first, so held-out splits keep the level mix of the train split
+        level = rng.choice(open_levels)  # drawn first, so held-out splits keep the level mix of the train split
         for _ in range(1000):
-            problem, answer = _arith_problem(rng, level)
-            if split == "train" or problem not in seen:  # held out means unseen
+            problem, answer, arithmetic = _arith_problem(rng, level)
+            if arithmetic not in train_contents and arithmetic not in seen:
+                seen.add(arithmetic)
+                rows.append({"id": f"arith-{split}-{len(rows):05d}", "problem": problem, "answer": str(answer),
+                             "level": level, "content": arithmetic})
                 break
-        else:
-            raise SystemExit(f"synthetic:arith cannot make {size} unseen {split} problems at level {level}: "
-                             f"ask for fewer, or add harder levels (more distinct problems)")
-        seen.add(problem)
-        rows.append({"id": f"arith-{split}-{len(rows):05d}", "problem": problem, "answer": str(answer),
-                     "level": level})
+        else:  # this level's distinct problems are used up (level 1 has 90): draw from the others
+            open_levels.remove(level)
+            if not open_levels:
+                raise SystemExit(f"synthetic:arith cannot make {size} distinct {split} problems"
+                                 f"{'' if split == 'train' else ' unseen in training'} at levels {levels}: ask for "
+                                 "fewer, or add harder levels (more distinct problems)")
     return rows
+
+
+_SPACING = re.compile(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|\s+")
+
+
+def problem_key(text: str) -> str:
+    """A problem's text without whitespace and LaTeX spacing commands (\\, \\; \\quad ...): two problems
+    with the same key are the same problem (data files refuse the second; retrieval never shows one for the
+    other)."""
+    return _SPACING.sub("", text)
 
 
 def load_problems(spec: str, split: str, *, size: int = 0, seed: int = 0, levels: list[int] | None = None,
@@ -172,8 +197,9 @@ def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
 def validate_rows(records: list[tuple[str, dict]], source: str, id_field: str, problem_field: str,
                   answer_field: str, skip_bad: bool = False) -> tuple[list[dict], Counter]:
     """Rows as {id, problem, answer} strings. A row with a missing, empty or non-string problem or answer
-    (numbers are accepted as answers), a repeated id, or a repeated problem (same text up to whitespace)
-    stops the run with a message naming source and row, or, with `skip_bad`, is dropped and counted."""
+    (numbers are accepted as answers), a repeated id, or a repeated problem (the same `problem_key`: text up to
+    whitespace and LaTeX spacing) stops the run with a message naming source and row, or, with `skip_bad`, is
+    dropped and counted."""
     if not records:
         raise SystemExit(f"{source}: no rows")
     columns = {name for _, record in records for name in record}  # a column only some rows have still counts
@@ -202,9 +228,10 @@ def validate_rows(records: list[tuple[str, dict]], source: str, id_field: str, p
         if row_id in seen_ids:
             bad(where, "duplicate_id", f"repeats id {row_id!r}")
             continue
-        key = " ".join(problem.split())
+        key = problem_key(problem)
         if key in seen_problems:
-            bad(where, "duplicate_problem", f"repeats the problem of id {seen_problems[key]!r}")
+            bad(where, "duplicate_problem", f"repeats the problem of id {seen_problems[key]!r} (the same text "
+                                            "up to whitespace and LaTeX spacing)")
             continue
         seen_ids.add(row_id)
         seen_problems[key] = row_id

@@ -1,8 +1,11 @@
 """The dynamic experience pool: every trial the policy made (problem, prompt kind, the feedback it saw,
 response, reward, step), with two queries that LANPO's feedback is built from:
 
-- `attempts(problem_id, k)`: the model's own earlier responses to a problem, newest first (reflection);
-- `similar(problem_text, k, exclude_id)`: other problems, ranked by a retriever (abstraction).
+- `attempts(problem_id, k, kind)`: the model's own earlier responses to a problem, newest first, of one kind
+  or any (reflection);
+- `similar(problem_text, k, exclude_id)`: other problems, ranked by a retriever (abstraction). A problem
+  whose text is the query's (`data.problem_key`: up to whitespace and LaTeX spacing) is never offered, under
+  any id: a twin's solution would carry the query's answer into its prompt.
 
 Memory is bounded: at most `max_per_problem` trials per problem (the oldest trial of that problem goes
 first) and at most `max_problems` problems (the problem whose newest trial is oldest goes first, with
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from data import problem_key
 
 KINDS = ("scratch", "reflect", "abstract")
 
@@ -122,6 +127,7 @@ class ExperiencePool:
         self.index = index if index is not None else TfidfIndex()
         # problem_id -> its trials, oldest first; dict order = least recently updated problem first
         self.trials: OrderedDict[str, list[Trial]] = OrderedDict()
+        self.ids_by_key: dict[str, set[str]] = {}  # problem_key -> the ids of the problems with that text
 
     def __len__(self) -> int:
         return sum(len(t) for t in self.trials.values())
@@ -135,18 +141,21 @@ class ExperiencePool:
             bucket.append(trial)
             del bucket[:-self.max_per_problem]
             self.index.add(trial.problem_id, trial.problem)
+            self.ids_by_key.setdefault(problem_key(trial.problem), set()).add(trial.problem_id)
         while len(self.trials) > self.max_problems:
-            evicted, _ = self.trials.popitem(last=False)
+            evicted, trials = self.trials.popitem(last=False)
             self.index.remove(evicted)
+            self.ids_by_key[problem_key(trials[0].problem)].discard(evicted)
 
-    def attempts(self, problem_id: str, k: int) -> list[Trial]:
-        """The k newest trials on this problem, newest first."""
-        return self.trials.get(problem_id, [])[::-1][:k]
+    def attempts(self, problem_id: str, k: int, kind: str | None = None) -> list[Trial]:
+        """The k newest trials on this problem (of this kind, when given), newest first."""
+        return [t for t in self.trials.get(problem_id, [])[::-1] if kind in (None, t.kind)][:k]
 
     def similar(self, problem_text: str, k: int, exclude_id: str | None = None) -> list[tuple[float, list[Trial]]]:
         """Up to k other problems most similar to `problem_text`, best first, each as (score, its trials
-        newest first)."""
-        hits = self.index.query(problem_text, k, {exclude_id} if exclude_id is not None else set())
+        newest first). Neither `exclude_id` nor a problem with the query's text (any id) is offered."""
+        exclude = set(self.ids_by_key.get(problem_key(problem_text), ())) | ({exclude_id} - {None})
+        hits = self.index.query(problem_text, k, exclude)
         return [(score, self.trials[pid][::-1]) for pid, score in hits]
 
     def save(self, path: str | Path) -> None:
@@ -171,6 +180,7 @@ class ExperiencePool:
         for problem_id in list(self.trials):
             self.index.remove(problem_id)
         self.trials.clear()
+        self.ids_by_key.clear()
         with open(path, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
                 try:

@@ -1,6 +1,7 @@
 """data.py: the built-in generator and file loading with row-level errors."""
 
 import json
+import re
 
 import pytest
 from conftest import SHARED_DATA
@@ -19,12 +20,40 @@ def test_synthetic_is_deterministic_and_answers_are_right():
             assert str(eval(expr)) == r["answer"], r  # noqa: S307 - our own generated digits and + - *
 
 
-def test_synthetic_test_split_is_unseen():
-    train = {r["problem"] for r in data.synthetic_arith("train", 500, seed=0, levels=[1, 2, 3])}
-    test = data.synthetic_arith("test", 100, seed=0, levels=[1, 2, 3], train_size=500)
-    assert len(test) == 100 and not train & {r["problem"] for r in test}
-    with pytest.raises(SystemExit, match="unseen"):
-        data.synthetic_arith("test", 100, seed=0, levels=[1], train_size=2000)  # level 1: 324 distinct texts
+def arithmetic(text: str) -> tuple:
+    """The arithmetic of a synthetic problem read back from its wording, independently of the generator:
+    operands of + and * unordered."""
+    a, *rest = nums = [int(n) for n in re.findall(r"\d+", text)]
+    if "bags" in text:
+        return ("*+", tuple(sorted(nums[:2])), nums[2])
+    if "boxes" in text:
+        return ("*-", tuple(sorted(nums[:2])), nums[2])
+    if "gives away" in text:
+        return ("-", a, rest[0])
+    return ("*" if "*" in text else "+", tuple(sorted(nums)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_synthetic_splits_are_distinct_by_content_not_just_text(seed):
+    """bench/learning.py's splits (48 train, 256 held out, levels 1-3): no two train problems and no train and
+    held-out problem share their arithmetic in any wording ("What is 23 + 5?" = "Tom has 23 apples and gets
+    5 more ..." = "Compute 5 + 23."), and the held-out problems are distinct too."""
+    train = data.synthetic_arith("train", 48, seed=seed, levels=[1, 2, 3])
+    test = data.synthetic_arith("test", 256, seed=seed, levels=[1, 2, 3], train_size=48)
+    train_content = [arithmetic(r["problem"]) for r in train]
+    test_content = [arithmetic(r["problem"]) for r in test]
+    assert len(set(train_content)) == 48 and len(set(test_content)) == 256
+    assert not set(train_content) & set(test_content)
+    assert len(test) == 256 and {r["level"] for r in test} == {1, 2, 3}
+
+
+def test_synthetic_levels_that_run_out_are_no_longer_drawn():
+    big = data.synthetic_arith("train", 600, seed=0, levels=[1, 2])  # level 1: 90 distinct sums and products
+    assert sum(r["level"] == 1 for r in big) == 90 and len({arithmetic(r["problem"]) for r in big}) == 600
+    with pytest.raises(SystemExit, match="unseen in training at levels"):
+        data.synthetic_arith("test", 10, seed=0, levels=[1], train_size=90)  # every level-1 problem trained on
+    with pytest.raises(SystemExit, match="distinct train problems"):
+        data.synthetic_arith("train", 91, seed=0, levels=[1])
     with pytest.raises(SystemExit, match="levels 1-6"):
         data.synthetic_arith("train", 10, seed=0, levels=[7])
 
@@ -74,6 +103,14 @@ def test_every_kind_of_bad_row_is_named_or_skipped_and_counted(tmp_path):
     path.write_text(lines[0] + "\n" + lines[4] + "\n")
     with pytest.raises(SystemExit, match=r"line 2 repeats the problem of id 'a'"):
         data.load_problems(str(path), "train")
+    latex = [json.dumps({"id": "x", "problem": "Find $x$ if $2x + 1 = 5$.", "answer": "2"}),
+             json.dumps({"id": "y", "problem": "Find $x$ if $2x\\,+\\;1=5$.", "answer": "2"}),  # LaTeX spacing
+             json.dumps({"id": "z", "problem": "Find $x$ if $2x + 1 = 7$.", "answer": "3"})]
+    path.write_text("\n".join(latex) + "\n")
+    with pytest.raises(SystemExit, match=r"line 2 repeats the problem of id 'x' \(the same text up to whitespace "
+                                         r"and LaTeX spacing\)"):
+        data.load_problems(str(path), "train")
+    assert [r["id"] for r in data.load_problems(str(path), "train", skip_bad=True)[0]] == ["x", "z"]
 
 
 def test_broken_files_are_named(tmp_path):
