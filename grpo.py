@@ -289,7 +289,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     if token_weights is not None:
         per_token = per_token * token_weights
 
-    n_seqs = window_seqs if window_seqs is not None else logps.shape[0]
+    # `or 1`: with no sequence in the loss anywhere (all masked), every sum below is 0, and so is the loss
+    n_seqs = (window_seqs if window_seqs is not None else logps.shape[0]) or 1
     n_tokens = window_tokens if window_tokens is not None else int(mask.sum().item())
     if loss_type == "grpo":
         seq_lens = mask.sum(dim=1).clamp(min=1.0)

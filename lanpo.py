@@ -131,6 +131,9 @@ class Config:
     beta: float = _f(0.0, "KL(pi || pi_ref) coefficient, k3 estimator; 0 skips the reference model entirely")
     drop_zero_adv_groups: bool = _f(False, "leave groups whose G rewards are all equal (zero advantage) out of the "
                                     "update, so they do not dilute the loss normaliser (DAPO-style filtering)")
+    mask_truncated: bool = _f(False, "leave completions cut off at --max-new-tokens out of the loss and its "
+                              "normalisers (DAPO's overlong filtering, TRL's mask_truncated_completions); they still "
+                              "count in their group's advantage baseline, as graded")
     max_bad_updates: int = _f(3, "stop after this many optimizer updates in a row with a non-finite loss or gradient "
                               "(each one is skipped, not applied)")
     # --- LANPO: language feedback for exploration
@@ -145,6 +148,12 @@ class Config:
     reflect_mode: str = _f("agnostic", "reflection prompt: agnostic (LANPO), or the leaky ablations with-reward / "
                            "with-gold", choices=["agnostic", "with-reward", "with-gold"])
     reflect_attempts: int = _f(1, "earlier attempts shown in a reflection prompt (newest first)")
+    reflect_source: str = _f("scratch", "which earlier attempts a reflection prompt shows: the newest from-scratch "
+                             "ones (scratch), or the newest of any kind (any: a group's feedback rollouts are its "
+                             "last, so with --reflect-attempts 1 that is the previous visit's reflection or "
+                             "abstraction rollout when it had one). scratch: reflection reward +0.26 [+0.16, +0.38] "
+                             "on the default run's pool, wrong->right flips alike (bench/reflect_source.py)",
+                             choices=["scratch", "any"])
     attempt_tokens: int = _f(160, "token budget per shown attempt or experience (beginning and end kept)")
     inter_mode: str = _f("principles", "inter-sample feedback: principles (LANPO) or raw trajectories (ablation)",
                          choices=["principles", "raw"])
@@ -333,7 +342,7 @@ def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons
     teach = cfg.self_distill_coef > 0
     for problem in problems:
         plain = prompts.render_prompt(tokenizer, prompts.problem_request(problem["problem"]), cfg.one_shot)
-        earlier = pool.attempts(problem["id"], cfg.reflect_attempts)
+        earlier = pool.attempts(problem["id"], cfg.reflect_attempts, None if cfg.reflect_source == "any" else "scratch")
         kinds = plan_group(cfg.group_size, cfg.feedback_ratio, bool(earlier), problem["id"] in lessons, cfg.feedback)
         can_reflect = bool(earlier) and cfg.feedback in ("intra", "both")
         can_abstract = problem["id"] in lessons and cfg.feedback in ("inter", "both")
@@ -383,7 +392,14 @@ class UpdateBatch:
     teachers: list[Completion | None] | None       # each on its self-distillation teacher's prompt (None: none)
     feedback_texts: list[tuple[Completion, float]]  # RLTF-FM targets with weight 1 (0: padding)
     window: dict[str, float]                       # loss normalisers of the whole batch (all processes)
+    in_loss: torch.Tensor                          # per rollout: does it count in the loss (--mask-truncated)
     modelled_texts: float = 0.0                    # RLTF-FM targets over all processes (logged)
+
+    @property
+    def learns(self) -> bool:
+        """Whether any process has a token in the loss (the same answer on every process): with none (every
+        group dropped, or every completion truncated under --mask-truncated) the update is skipped."""
+        return self.window["seqs"] > 0 or self.window["feedback_tokens"] > 0
 
 
 def feedback_model_texts(tokenizer, problems: list[dict], lessons: dict[str, str], completions: list[Completion],
@@ -409,9 +425,9 @@ def update_batch(tokenizer, r: Rollouts, group_problems: list[dict], lessons: di
                  eos_ids: list[int], world: int) -> UpdateBatch:
     """What each rollout trains on: the whole mixed group on the prompts it was sampled with (context), or
     feedback rollouts moved to the plain prompt (strip, distill); teachers for self-distillation; the
-    feedback-modelling targets; zero-advantage groups dropped when asked. Each decision is taken the same on
-    every process, and every process makes as many feedback-modelling passes (ZeRO-3/FSDP forwards are
-    collective): those with fewer texts pad with zero-weight copies."""
+    feedback-modelling targets; zero-advantage groups and truncated completions dropped when asked. Each
+    decision is taken the same on every process, and every process makes as many feedback-modelling passes
+    (ZeRO-3/FSDP forwards are collective): those with fewer texts pad with zero-weight copies."""
     train_on, behaviour, teachers, advantages = r.completions, None, None, r.advantages
     if cfg.feedback_grad != "context" and distributed.on_any_process(any(k != "scratch" for k in r.kinds)):
         behaviour = [None if p.kind == "scratch" else c for c, p in zip(r.completions, r.prompts)]
@@ -420,26 +436,33 @@ def update_batch(tokenizer, r: Rollouts, group_problems: list[dict], lessons: di
     if cfg.self_distill_coef > 0:  # the same completion, scored by the model shown the feedback
         teachers = [dataclasses.replace(c, prompt_ids=token_ids(tokenizer, p.teacher))
                     if p.kind == "scratch" and p.teacher else None for c, p in zip(r.completions, r.prompts)]
+    keep = list(range(len(r.completions)))
     if cfg.drop_zero_adv_groups:  # groups with equal rewards carry no signal: leave them out entirely
         live = r.rewards.view(-1, cfg.group_size).std(dim=1) > 0
-        keep = [i for i in range(len(r.completions)) if live[i // cfg.group_size]]
+        keep = [i for i in keep if live[i // cfg.group_size]]
+    if len(keep) < len(r.completions):
         train_on, advantages = [train_on[i] for i in keep], advantages[keep]
         behaviour = [behaviour[i] for i in keep] if behaviour else None
         teachers = [teachers[i] for i in keep] if teachers else None
+    # a cut-off answer was never finished: its reward says nothing about its tokens. Its row stays in the
+    # forwards (every process makes as many) but leaves the loss and the normalisers
+    in_loss = [not (cfg.mask_truncated and c.truncated) for c in train_on]
     texts = (feedback_model_texts(tokenizer, group_problems, lessons, r.completions, r.kinds, cfg, eos_ids)
              if cfg.feedback_model_coef > 0 else [])
     # Normalisers of the whole batch over all processes, divided by the number of processes, because
     # data-parallel training averages the processes' gradients.
     total, most = distributed.totals({
-        "seqs": len(train_on), "tokens": sum(len(c.completion_ids) for c in train_on),
-        "teacher_tokens": sum(len(c.completion_ids) for c in teachers or [] if c is not None),
+        "seqs": sum(in_loss), "tokens": sum(len(c.completion_ids) for c, kept in zip(train_on, in_loss) if kept),
+        "teacher_tokens": sum(len(c.completion_ids) for c, t, kept in zip(train_on, teachers or [None] * len(train_on),
+                                                                          in_loss) if t is not None and kept),
         "feedback_tokens": sum(len(c.completion_ids) for c in texts), "feedback_texts": len(texts)})
     window = {name: total[name] / world for name in ("seqs", "tokens", "teacher_tokens", "feedback_tokens")}
     if not window["teacher_tokens"]:
         teachers = None  # no teacher on any process this step: no teacher forward passes
     padding = most["feedback_texts"] - len(texts)
     weighted = [(c, 1.0) for c in texts] + [((texts or r.completions)[0], 0.0)] * padding
-    return UpdateBatch(train_on, advantages, behaviour, teachers, weighted, window, float(total["feedback_texts"]))
+    return UpdateBatch(train_on, advantages, behaviour, teachers, weighted, window, torch.tensor(in_loss),
+                       float(total["feedback_texts"]))
 
 
 def grade_all(completions: list[Completion], answers: list[str]) -> torch.Tensor:
@@ -468,6 +491,7 @@ class MicroBatch:
     attn: torch.Tensor
     cmask: torch.Tensor                        # completion tokens (1) vs padding (0)
     advantages: torch.Tensor
+    loss_mask: torch.Tensor                    # cmask less the rows left out of the loss (--mask-truncated)
     old_logps: torch.Tensor | None = None      # pi_old (None: on-policy with one epoch, pi_old = pi)
     sampling_logps: torch.Tensor | None = None  # the sampling prompt's log-probs (strip, distill)
     off_policy: torch.Tensor | None = None     # rows trained on another prompt than they were sampled with
@@ -483,7 +507,7 @@ class Forward:
     logits: torch.Tensor
     logps: torch.Tensor       # log pi(token), 0 on padding
     entropy: torch.Tensor
-    mask: torch.Tensor        # cmask as floats
+    mask: torch.Tensor        # the micro-batch's loss mask as floats
     old: torch.Tensor         # pi_old's log-probs (detached)
     teacher_logps: torch.Tensor | None = None
     teacher_ids: torch.Tensor | None = None
@@ -499,7 +523,8 @@ def micro_batches(model, ref_model, b: UpdateBatch, cfg: Config, pad_id: int, de
     out = []
     for start in range(0, len(order), cfg.micro_batch):
         idx = order[start:start + cfg.micro_batch]
-        mb = MicroBatch(*pack([rows[i] for i in idx], pad_id, device), advantages=b.advantages[idx].to(device))
+        ids, attn, cmask = pack([rows[i] for i in idx], pad_id, device)
+        mb = MicroBatch(ids, attn, cmask, b.advantages[idx].to(device), cmask * b.in_loss[idx].to(device)[:, None])
         # every process takes the most groups any wants: under ZeRO-3 and FSDP every forward is collective
         mb.chunks = max(distributed.gather([grpo.chunk_count(mb.cmask.sum(dim=1), cfg.update_chunks)]))
         with torch.no_grad():
@@ -535,7 +560,7 @@ def forward(model, mb: MicroBatch, cfg: Config) -> Forward:
     logits = grpo.completion_logits(model, mb.ids, mb.attn, mb.cmask.shape[1], cfg.temperature,
                                     cfg.share_prompt_forward, mb.chunks)
     logps, entropy = grpo.selective_log_softmax(logits, mb.ids[:, -mb.cmask.shape[1]:])
-    mask = mb.cmask.to(logps.dtype)
+    mask = mb.loss_mask.to(logps.dtype)
     logps, entropy = logps * mask, entropy * mask
     old = mb.old_logps if mb.old_logps is not None else logps.detach()
     return Forward(logits, logps, entropy, mask, old, teacher_logps, teacher_ids)
@@ -556,13 +581,13 @@ def policy_gradient_loss(f: Forward, mb: MicroBatch, cfg: Config, window: dict, 
         off = f.mask * mb.off_policy[:, None]
         if off.sum() > 0:
             add_stat(stats, "distill_is_weight", ((weights * off).sum() / off.sum()).item(), off.sum().item())
-    loss, s = grpo.policy_loss(f.logps, f.old, mb.advantages, mb.cmask, mb.ref_logps, eps_low=cfg.eps_low,
+    loss, s = grpo.policy_loss(f.logps, f.old, mb.advantages, f.mask, mb.ref_logps, eps_low=cfg.eps_low,
                                eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
                                max_completion_len=cfg.max_new_tokens, window_seqs=window["seqs"],
                                window_tokens=window["tokens"], token_weights=weights)
     weight = s.pop("tokens")
     s["loss"] = loss.item()
-    s["entropy"] = (f.entropy.sum() / mb.cmask.sum().clamp(min=1)).item()
+    s["entropy"] = (f.entropy.sum() / f.mask.sum().clamp(min=1)).item()
     for name, value in s.items():
         add_stat(stats, name, value, weight)
     return loss
@@ -644,8 +669,10 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, b: Update
     return {**out, **timings, "skipped_updates": float(skipped)}
 
 
-def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
-    """Count, reward, accuracy and length per rollout kind (kinds absent this step log only count 0)."""
+def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor,
+                 truncated: list[bool]) -> dict[str, float]:
+    """Count, reward, accuracy, length and truncated share per rollout kind (kinds absent this step log only
+    count 0): do feedback rollouts run longer?"""
     out = {}
     for kind in pool_lib.KINDS:
         idx = [i for i, k in enumerate(kinds) if k == kind]
@@ -654,6 +681,7 @@ def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor)
             out[f"{kind}/reward"] = rewards[idx].mean().item()
             out[f"{kind}/accuracy"] = (rewards[idx] == 1.0).float().mean().item()
             out[f"{kind}/len"] = lengths[idx].mean().item()
+            out[f"{kind}/truncated"] = float(np.mean([truncated[i] for i in idx]))
     return out
 
 
@@ -727,6 +755,19 @@ def evaluate_accuracy(run: Run, step: int) -> dict[str, float]:
         rundir.append_metrics(run.out_dir / "heldout.jsonl", {"step": step, "ids": [r["id"] for r in records],
                                                        "verdicts": [r["verdicts"][0] for r in records]})
     return out
+
+
+def truncation_summary(out_dir: Path) -> str:
+    """One line: the share of each rollout kind's completions cut off at --max-new-tokens over the whole run
+    (metrics.jsonl, weighted by each step's count)."""
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    parts = []
+    for kind in pool_lib.KINDS:
+        counted = [(r[f"{kind}/count"], r[f"{kind}/truncated"]) for r in records if r.get(f"{kind}/count")]
+        n = sum(c for c, _ in counted)
+        if n:
+            parts.append(f"{kind} {sum(c * t for c, t in counted) / n:.0%} of {int(n)}")
+    return "truncated at --max-new-tokens: " + ", ".join(parts)
 
 
 def heldout_gain(out_dir: Path) -> str:
@@ -1032,7 +1073,8 @@ def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: 
         record["self_distill_tokens"] = b.window["teacher_tokens"] * run.accelerator.num_processes
     if cfg.feedback_model_coef > 0:
         record["feedback_model_texts"] = b.modelled_texts
-    record.update(kind_metrics([k for k, _, _, _ in per_rollout], all_rewards, lengths))
+    record.update(kind_metrics([k for k, _, _, _ in per_rollout], all_rewards, lengths,
+                               [t for _, _, t, _ in per_rollout]))
     record.update(feedback_metrics(lesson_stats, run.pool, [n for _, _, _, n in per_rollout]))
     return record
 
@@ -1086,7 +1128,7 @@ def train(run: Run) -> ExperiencePool:
         with oom_hint("the policy update", f"--micro-batch {max(1, cfg.micro_batch // 2)} or "
                       "--gradient-checkpointing", run.out_dir):
             update_stats = policy_update(run.model, run.ref_model, run.optimizer, run.scheduler, accelerator,
-                                         batch, cfg, tokenizer.pad_token_id) if batch.completions else NO_UPDATE
+                                         batch, cfg, tokenizer.pad_token_id) if batch.learns else NO_UPDATE
         bad_in_row = stop_after_bad_updates(bad_in_row, update_stats, step, run)
 
         # 6. remember every trial of every process: the pool feeds reflection and abstraction later
@@ -1122,6 +1164,7 @@ def finish(run: Run) -> None:
         final = run.out_dir / "final"
         run.policy.save_pretrained(final, state_dict=state_dict)
         run.tokenizer.save_pretrained(final)
+        run.accelerator.print(truncation_summary(run.out_dir))
         if gain := heldout_gain(run.out_dir):
             run.accelerator.print(gain)
         run.accelerator.print(f"done: metrics in {run.out_dir / 'metrics.jsonl'}, model in {final}")

@@ -84,6 +84,7 @@ intra-only      --feedback intra
 inter-only      --feedback inter
 leak-reward     --feedback intra --reflect-mode with-reward
 leak-gold       --feedback intra --reflect-mode with-gold
+reflect-any     --feedback both --reflect-source any
 inter-raw       --feedback inter --inter-mode raw
 no-relevance    --feedback both --relevance-threshold 0
 relevance-problem --feedback both --relevance-text problem
@@ -95,6 +96,7 @@ distill         --feedback both --feedback-grad distill
 self-distill    --feedback both --self-distill-coef 1
 feedback-model  --feedback both --relevance-threshold 0.5 --feedback-model-coef 0.1
 sd-only         --feedback both --feedback-ratio 0 --self-distill-coef 1
+mask-truncated  --feedback both --mask-truncated
 MATRIX
 )
     echo "$(echo "$matrix" | wc -l) runs, each into runs/ablate/<name> (extra flags: ${*:-none}):"

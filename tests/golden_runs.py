@@ -26,6 +26,9 @@ RUNS = {  # name -> flags: between them, every branch of the training step
                      "--loss-type", "dapo", "--adv-scale", "batch"],
     "strip-intra": ["--feedback", "intra", "--feedback-grad", "strip", "--loss-type", "dr_grpo",
                     "--self-distill-coef", "0.1", "--self-distill-div", "jsd", "--eps-high", "0.28"],
+    # gamma between the tiny model's two relevance scores in this run (0.5321 kept at step 2, 0.5312 not at step 3)
+    "relevance-any": ["--feedback", "both", "--relevance-threshold", "0.5316", "--reflect-source", "any",
+                      "--reflect-attempts", "2"],
 }
 
 
@@ -34,14 +37,23 @@ def fingerprint(model_dir: Path, out_dir: Path, flags: list[str]) -> dict:
     from conftest import fake_grade, training_metrics
     from safetensors.torch import load_file
 
+    import abstract
     import lanpo
     import math_grader
 
+    judged = []  # every relevance request the run scored, with its score
+
+    def recorded_relevance_scores(model, tokenizer, pairs, *args, **kwargs):
+        scores = real_scores(model, tokenizer, pairs, *args, **kwargs)
+        judged.extend(zip(pairs, scores))
+        return scores
+
     real_grade, math_grader.grade = math_grader.grade, fake_grade
+    real_scores, abstract.relevance_scores = abstract.relevance_scores, recorded_relevance_scores
     try:
         pool = lanpo.main(lanpo.parse_config(["--model", str(model_dir), "--out-dir", str(out_dir), *COMMON, *flags]))
     finally:
-        math_grader.grade = real_grade
+        math_grader.grade, abstract.relevance_scores = real_grade, real_scores
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -50,7 +62,8 @@ def fingerprint(model_dir: Path, out_dir: Path, flags: list[str]) -> dict:
             "weights": {k: [v.double().sum().item(), v.double().abs().sum().item()]
                         for k, v in sorted(weights.items())},
             "pool": [[t.problem_id, t.kind, t.context, t.response, t.reward, t.step]
-                     for ts in pool.trials.values() for t in ts]}
+                     for ts in pool.trials.values() for t in ts],
+            "relevance": [list(pair) for pair in judged]}
 
 
 if __name__ == "__main__":

@@ -270,7 +270,7 @@ def test_distill_trains_feedback_rollouts_on_the_plain_prompt(tiny_model_dir, tm
     records = _run(tiny_model_dir, tmp_path / "distill", "--feedback", "intra", "--feedback-grad", "distill",
                    "--ppo-epochs", "2")
     assert "distill_is_weight" not in records[0]  # step 1: every rollout from scratch
-    assert 0 < records[2]["distill_is_weight"] <= 1.0  # truncated at --distill-is-cap 1
+    assert "distill_is_weight" in records[2]  # its value against a hand computation: test_train.py
     uncapped = _run(tiny_model_dir, tmp_path / "uncorrected", "--feedback", "intra", "--feedback-grad", "distill",
                     "--ppo-epochs", "2", "--distill-is-cap", "0")
     assert uncapped[2]["distill_is_weight"] == 1.0

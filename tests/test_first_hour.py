@@ -242,8 +242,8 @@ def test_ablate_lists_its_runs_and_can_dry_run(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "run.sh"), "ablate", "--dry-run", "--steps", "2"],
                           capture_output=True, text=True, timeout=60)
     lines = done.stdout.splitlines()
-    assert done.returncode == 0 and lines[0].startswith("17 runs, each into runs/ablate/<name>")
-    assert len(lines) == 18 and all(line.endswith("--steps 2") for line in lines[1:])
+    assert done.returncode == 0 and lines[0].startswith("19 runs, each into runs/ablate/<name>")
+    assert len(lines) == 20 and all(line.endswith("--steps 2") for line in lines[1:])
     assert "  grpo: python lanpo.py --out-dir runs/ablate/grpo --feedback none --steps 2" in lines
 
 

@@ -1,7 +1,8 @@
-"""The training step's behaviour is pinned: three seeded tiny-model runs that between them take every branch
+"""The training step's behaviour is pinned: four seeded tiny-model runs that between them take every branch
 of the step (feedback kinds, --feedback-grad context/strip/distill, KL, several epochs, LR schedule,
-self-distillation, feedback modelling, zero-advantage dropping, each loss type) must reproduce the rollouts,
-metrics and final weights recorded in tests/golden/ (by tests/golden_runs.py, before the loop was refactored).
+self-distillation, feedback modelling, zero-advantage dropping, each loss type, relevance filtering at
+gamma > 0, reflection on the newest attempts of any kind) must reproduce the rollouts, relevance
+requests and scores, metrics and final weights recorded in tests/golden/ (by tests/golden_runs.py).
 A deliberate change of behaviour re-records them and says so in its commit."""
 
 import json
@@ -22,6 +23,9 @@ def test_run_reproduces_its_recorded_fingerprint(tiny_model_dir, tmp_path, name,
     want = json.loads((ROOT / "tests" / "golden" / f"{name}.json").read_text())
     got = fingerprint(tiny_model_dir, tmp_path / name, RUNS[name] + extra)
     assert got["pool"] == want["pool"]  # the same prompts kinds, feedback texts, sampled responses, rewards
+    # the same relevance requests (the judge's exact prompt) and scores (gamma > 0 runs only score any)
+    assert [p for p, _ in got["relevance"]] == [p for p, _ in want["relevance"]]
+    assert [s for _, s in got["relevance"]] == pytest.approx([s for _, s in want["relevance"]], rel=rel, abs=abs_)
     assert len(got["metrics"]) == len(want["metrics"])
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"]), 1):
         # every recorded metric reproduces (metrics added later, e.g. eval intervals, are not pinned here);

@@ -45,7 +45,8 @@ def test_two_full_steps_update_the_model_and_log_every_documented_key(tiny_model
     for r in records:
         assert documented >= set(r) - {"step"}, set(r) - documented
         assert all(torch.isfinite(torch.tensor(float(v))) for v in r.values())
-    per_kind = {k for k in documented if k.endswith(("/reward", "/accuracy", "/len"))}  # only kinds present
+    # only the kinds present
+    per_kind = {k for k in documented if k.endswith(("/reward", "/accuracy", "/len", "/truncated"))}
     optional = {k for k in documented if k.startswith(("eval_", "time_eval", "distill_", "self_distill_",
                                                          "feedback_model_"))}  # eval steps; options that are off
     per_step = documented - per_kind - optional
@@ -59,14 +60,18 @@ def test_two_full_steps_update_the_model_and_log_every_documented_key(tiny_model
 
 
 def test_kl_and_several_epochs(tiny_model_dir, tmp_path, graded_by_parity):
-    _, records = run(tiny_model_dir, tmp_path, "--beta", "0.1", "--ppo-epochs", "2", "--loss-type", "dapo")
-    # the second epoch sees a moved policy: ratio != 1 and a positive KL to the frozen reference
-    assert records[1]["kl"] > 0 and records[1]["ratio_mean"] != 1.0
+    """The reference is the initial model: at step 1's only epoch the policy is that model (KL exactly 0,
+    ratio 1); after one update it has moved away (KL > 0). With two epochs the second sees a moved policy."""
+    _, one = run(tiny_model_dir, tmp_path / "one", "--beta", "0.1", "--loss-type", "dapo")
+    assert one[0]["kl"] == 0.0 and one[0]["ratio_mean"] == 1.0 and one[1]["kl"] > 1e-6
+    _, two = run(tiny_model_dir, tmp_path / "two", "--beta", "0.1", "--ppo-epochs", "2", "--loss-type", "dapo")
+    assert two[0]["kl"] > 1e-6 and two[0]["ratio_mean"] != pytest.approx(1.0, abs=1e-6)
 
 
 def test_lora_uses_the_adapter_free_model_as_reference(tiny_model_dir, tmp_path, graded_by_parity):
-    _, records = run(tiny_model_dir, tmp_path, "--lora-rank", "4", "--beta", "0.1", "--ppo-epochs", "2")
-    assert records[1]["kl"] > 0
+    _, records = run(tiny_model_dir, tmp_path, "--lora-rank", "4", "--beta", "0.1")
+    # the adapter starts at zero, so the policy is its base at step 1; then the adapter has moved it
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-9) and records[1]["kl"] > 1e-6
     assert (tmp_path / "run" / "final" / "adapter_config.json").exists()
     import evaluate  # a LoRA checkpoint evaluates as its base with the adapter merged
 
@@ -119,8 +124,16 @@ def test_overlong_prompts_stop_the_run_or_are_skipped(tiny_model_dir, tmp_path, 
 
 
 def test_bf16_mixed_precision_trains(tiny_model_dir, tmp_path, graded_by_parity):
+    """bf16-mixed computes the update in bf16 (autocast): the same rollouts as fp32 at step 1, a gradient that
+    differs from fp32's by bf16 rounding only (measured: relative 5e-4), and fp32 master weights."""
+    from accelerate.state import AcceleratorState
+
     _, records = run(tiny_model_dir, tmp_path, "--dtype", "bf16-mixed")
-    assert all(r["grad_norm"] > 0 and r["loss"] == r["loss"] for r in records)  # autocast path, finite
+    AcceleratorState._reset_state(reset_partial_state=True)  # the next run's mixed precision differs
+    _, fp32 = run(tiny_model_dir, tmp_path / "fp32", "--dtype", "fp32")
+    assert records[0]["reward_mean"] == fp32[0]["reward_mean"]
+    assert records[0]["grad_norm"] == pytest.approx(fp32[0]["grad_norm"], rel=1e-2)
+    assert records[0]["grad_norm"] != pytest.approx(fp32[0]["grad_norm"], rel=1e-6)  # autocast did run
     before, after = _params(tiny_model_dir), _params(tmp_path / "run" / "final")
     assert all(v.dtype == torch.float32 for v in after.values())  # master weights stay fp32
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -189,3 +202,95 @@ def test_cpu_runs_decode_with_rows_first_linears_unless_told_not_to(tiny_model_d
     monkeypatch.setattr(models, "rows_first_linears", lambda model: seen.append(real(model)) or seen[-1])
     run(tiny_model_dir, tmp_path, "--steps", "1", "--eval-every", "0", flag)
     assert seen == ([2 * 7 + 1] if flag == "--cpu-rows-first-matmul" else [])
+
+
+def _update_gradient(model, tokenizer, rows: list[tuple[str, str, bool]], advantages: list[float], *flags):
+    """The summed gradient of the update's loss terms over rollouts (prompt, completion, truncated) of one
+    group, built the way the loop builds them (update_batch -> micro_batches -> forward -> loss terms)."""
+    import prompts
+    from rollout import Completion
+
+    rows = [(prompts.render_prompt(tokenizer, prompts.problem_request(p), one_shot=False), c, t) for p, c, t in rows]
+    cfg = lanpo.parse_config(["--batch-problems", "1", "--group-size", str(len(rows)), "--micro-batch",
+                              str(len(rows)), "--feedback", "none", *flags])
+    completions = [Completion(lanpo.token_ids(tokenizer, p), lanpo.token_ids(tokenizer, c), t, c) for p, c, t in rows]
+    prompts = [lanpo.Prompt(p, p, "scratch", "") for p, _, _ in rows]
+    r = lanpo.Rollouts([{"id": "x", "problem": "x", "answer": "1"}] * len(rows), prompts, completions,
+                       torch.zeros(len(rows)), torch.tensor(advantages))
+    b = lanpo.update_batch(tokenizer, r, r.problems[:1], {}, cfg, [tokenizer.eos_token_id], world=1)
+    model.zero_grad()
+    for mb in lanpo.micro_batches(model, None, b, cfg, tokenizer.pad_token_id, "cpu"):
+        lanpo.policy_gradient_loss(lanpo.forward(model, mb, cfg), mb, cfg, b.window, {}).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_mask_truncated_changes_only_the_truncated_rows(tiny, loss_type):
+    """--mask-truncated: the gradient equals that of the same update without the truncated rows (as if they
+    had never been sampled: the finished rows' terms and normalisers as they would be alone), and differs from
+    the unmasked one; advantages (graded with the truncated rows in the group) are left as they were."""
+    model, tokenizer = tiny
+    done, cut = ("What is 2 + 5?", " 7 = 7<|im_end|>", False), ("What is 2 + 5?", " 2 + 5 + 5 + 5 +", True)
+    other = ("Tom has 12 apples.", " 12 apples<|im_end|>", False)
+    rows, adv = [done, cut, other, cut], [1.0, -0.5, 0.5, -1.0]
+    kind = ["--loss-type", loss_type]
+    masked = _update_gradient(model, tokenizer, rows, adv, "--mask-truncated", *kind)
+    finished_only = _update_gradient(model, tokenizer, [done, other], [1.0, 0.5], *kind)
+    unmasked = _update_gradient(model, tokenizer, rows, adv, *kind)
+    assert torch.allclose(masked, finished_only, rtol=1e-5, atol=1e-8)
+    assert not torch.allclose(masked, unmasked, rtol=1e-3)
+    assert torch.equal(_update_gradient(model, tokenizer, [done, other], [1.0, 0.5], "--mask-truncated", *kind),
+                       finished_only)  # nothing truncated: the flag changes nothing
+
+
+def _logps(model, tokenizer, prompt: str, completion: str) -> torch.Tensor:
+    """log pi(completion token | prompt, earlier tokens), one forward written out by hand."""
+    ids = lanpo.token_ids(tokenizer, prompt + completion)
+    n = len(lanpo.token_ids(tokenizer, completion))
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0, -n - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[-n:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize(("grad", "cap"), [("strip", 1.0), ("distill", 1.0), ("distill", 0.5), ("distill", 0.0)])
+def test_feedback_rollouts_trained_on_the_plain_prompt_weigh_each_token_as_stated(tiny, grad, cap):
+    """--feedback-grad strip: a reflection rollout's ratio is pi(y_t | plain) / pi(y_t | reflection prompt) at
+    every token (the scratch rollout's is 1); distill: its weight is that ratio truncated at --distill-is-cap
+    (0: no correction). Both against log-probs computed by hand from the two prompts."""
+    import prompts
+
+    model, tokenizer = tiny
+    plain = prompts.render_prompt(tokenizer, prompts.problem_request("What is 2 + 5?"), one_shot=False)
+    shown = prompts.render_prompt(tokenizer, prompts.reflection_request("What is 2 + 5?", ["2 + 5 = 8"]), False)
+    completions = [" 2 + 5 = 7<|im_end|>", " 7 = 2 + 5 = 7<|im_end|>"]
+    from rollout import Completion
+
+    cfg = lanpo.parse_config(["--batch-problems", "1", "--group-size", "2", "--micro-batch", "2", "--feedback",
+                              "intra", "--feedback-grad", grad, "--distill-is-cap", str(cap)])
+    r = lanpo.Rollouts([{"id": "x", "problem": "What is 2 + 5?", "answer": "7"}] * 2,
+                       [lanpo.Prompt(plain, plain, "scratch", ""), lanpo.Prompt(shown, plain, "reflect", "2 + 5 = 8")],
+                       [Completion(lanpo.token_ids(tokenizer, p), lanpo.token_ids(tokenizer, c), False, c)
+                        for p, c in zip((plain, shown), completions)], torch.zeros(2), torch.tensor([1.0, -1.0]))
+    b = lanpo.update_batch(tokenizer, r, r.problems[:1], {}, cfg, [tokenizer.eos_token_id], world=1)
+    (mb,) = lanpo.micro_batches(model, None, b, cfg, tokenizer.pad_token_id, "cpu")
+    stats = {}
+    lanpo.policy_gradient_loss(lanpo.forward(model, mb, cfg), mb, cfg, b.window, stats)
+    by_hand = (_logps(model, tokenizer, plain, completions[1]) - _logps(model, tokenizer, shown, completions[1])).exp()
+    n_scratch = len(lanpo.token_ids(tokenizer, completions[0]))
+    if grad == "strip":  # the ratio of the scratch rollout's tokens is 1
+        want = (n_scratch + by_hand.sum()) / (n_scratch + len(by_hand))
+        assert stats["ratio_mean"][0][0] == pytest.approx(want.item(), rel=1e-4)
+        assert abs(want.item() - 1) > 1e-3  # the two prompts do give the tokens other probabilities
+    else:
+        weights = torch.ones_like(by_hand) if cap == 0 else by_hand.clamp(max=cap)
+        assert stats["distill_is_weight"][0][0] == pytest.approx(weights.mean().item(), rel=1e-4)
+        assert stats["ratio_mean"][0][0] == pytest.approx(1.0)  # on-policy: pi_old is the plain-prompt policy
+
+
+def test_a_step_with_every_completion_masked_is_skipped_not_poisoned(tiny_model_dir, tmp_path, graded_by_parity):
+    """The tiny model never stops within 8 tokens, so --mask-truncated leaves nothing in the loss: no update is
+    made (the weights stay the initial ones) and nothing is counted as a bad update (0/0 would have been NaN)."""
+    _, records = run(tiny_model_dir, tmp_path, "--mask-truncated", "--eval-every", "0")
+    assert all(r["truncated_frac"] == 1.0 and r["skipped_updates"] == 0 and r["loss"] == 0.0 for r in records)
+    before, after = _params(tiny_model_dir), _params(tmp_path / "run" / "final")
+    assert all(torch.equal(before[k], after[k]) for k in before)
