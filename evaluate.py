@@ -31,9 +31,10 @@ import stats
 from pool import ExperiencePool
 
 # the settings evaluation shares with training: flags, help and defaults come from lanpo.Config
-SHARED = ("model", "seed", "max_new_tokens", "top_p", "one_shot", "gen_batch", "attempt_tokens", "inter_candidates",
-          "relevance_threshold", "relevance_text", "abstract_max_tokens", "share_prefill",
-          "cpu_rows_first_matmul")
+# (every one that shapes a prompt: reflection's and abstraction's settings are honoured by the same builders)
+SHARED = ("model", "seed", "levels", "synthetic_size", "max_new_tokens", "top_p", "one_shot", "gen_batch",
+          "attempt_tokens", "reflect_mode", "reflect_attempts", "reflect_source", "inter_mode", "inter_candidates",
+          "relevance_threshold", "relevance_text", "abstract_max_tokens", "share_prefill", "cpu_rows_first_matmul")
 
 
 def compare(a_dir: str, b_dir: str) -> str:
@@ -73,15 +74,19 @@ def compare(a_dir: str, b_dir: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ CLI
 
-def load_benchmark(name: str, data_dir: Path, limit: int, seed: int, split: str) -> list[dict]:
+def load_benchmark(name: str, data_dir: Path, limit: int, seed: int, split: str, levels: list[int],
+                   synthetic_size: int) -> list[dict]:
     """Rows of a benchmark name (see data.BENCHMARKS), a data file (data.FILE_SUFFIXES), synthetic:arith, or
-    hub:<dataset id>. --limit takes a seeded random subset, so repeated runs see the same problems."""
+    hub:<dataset id>. --limit takes a seeded random subset, so repeated runs see the same problems.
+    synthetic:arith gives the held-out problems of a training run with the same --seed, --levels and
+    --synthetic-size (none shares its arithmetic with that run's training problems)."""
     if name in data.BENCHMARKS:
         rows, _ = data.load_problems(str(data.benchmark_path(name, data_dir)), split)
     elif name.startswith("hub:"):
         rows, _ = data.load_problems(name[4:], split)
     elif name.startswith("synthetic:") or Path(name).suffix in data.FILE_SUFFIXES:
-        rows, _ = data.load_problems(name, "test" if name.startswith("synthetic:") else split, size=max(limit, 0))
+        rows, _ = data.load_problems(name, "test" if name.startswith("synthetic:") else split, size=max(limit, 0),
+                                     seed=seed, levels=levels, train_size=synthetic_size)
     else:
         raise SystemExit(f"unknown benchmark {name!r}: use one of {sorted(data.BENCHMARKS)}, a "
                          f"{'/'.join(data.FILE_SUFFIXES)} path, synthetic:arith, or hub:<dataset>")
@@ -167,6 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"{out_dir} already holds an evaluation: choose another --out-dir (nothing was changed)")
     if args.temperature == 0 and args.samples != 1:
         raise SystemExit("greedy decoding (--temperature 0) gives one distinct sample: use --samples 1")
+    if "reflect" in args.mode and args.reflect_attempts != 1:
+        raise SystemExit(f"--reflect-attempts {args.reflect_attempts}: --mode reflect shows each sample its one first "
+                         "attempt (a from-scratch one, whatever --reflect-source): use --reflect-attempts 1")
     pool = None
     if "abstract" in args.mode:
         if not args.pool:
@@ -174,7 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
         pool = ExperiencePool()
         pool.load(args.pool)
     # every benchmark is loaded and checked before the model is
-    benchmarks = {Path(name).name: load_benchmark(name, Path(args.data_dir), args.limit, args.seed, args.split)
+    levels = lanpo.parse_levels(args.levels)
+    benchmarks = {Path(name).name: load_benchmark(name, Path(args.data_dir), args.limit, args.seed, args.split, levels,
+                                                  args.synthetic_size)
                   for name in args.benchmarks}  # a file path is shown by its file name
     models.check_available(args.model)
 

@@ -96,6 +96,8 @@ class EvalSettings:
     relevance_threshold: float
     abstract_max_tokens: int
     relevance_text: str
+    reflect_mode: str = "agnostic"    # reflect: the leaky ablations grade turn 1 to show its verdict or the gold
+    inter_mode: str = "principles"    # abstract: principles, or raw trajectories (ablation)
     samples: int = 1            # k responses per problem
     temperature: float = 0.0    # 0 = greedy (then samples must be 1)
     top_p: float = 1.0
@@ -117,6 +119,7 @@ def _sample(model, tokenizer, texts: list[str], s: EvalSettings, eos_ids: list[i
 
 
 def _record(row: dict, prompt: str, outs) -> dict:
+    """One problem's turn: the exact prompt, the responses, their extracted answers and verdicts."""
     verdicts = [math_grader.grade(o.text, row["answer"]) for o in outs]
     return {"id": row["id"], "problem": row["problem"], "gold": row["answer"], "prompt": prompt,
             "responses": [o.text for o in outs], "answers": [math_grader.extract_answer(o.text) for o in outs],
@@ -139,13 +142,13 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings
             raise SystemExit("--mode abstract needs --pool (a pool.jsonl saved by a training run)")
         lessons, _ = abstract.lessons_for(
             model, tokenizer, pool, rows, {}, 0, candidates=s.inter_candidates, gamma=s.relevance_threshold,
-            mode="principles", refresh=1, attempt_tokens=s.attempt_tokens, max_new_tokens=s.abstract_max_tokens,
+            mode=s.inter_mode, refresh=1, attempt_tokens=s.attempt_tokens, max_new_tokens=s.abstract_max_tokens,
             eos_ids=eos_ids, gen_batch=s.gen_batch, relevance_text=s.relevance_text, share_prefill=s.share_prefill)
     texts = []
     for row in rows:
         request = prompts.problem_request(row["problem"])
         if row["id"] in lessons:
-            request = prompts.abstraction_request(row["problem"], lessons[row["id"]])
+            request = prompts.abstraction_request(row["problem"], lessons[row["id"]], raw=s.inter_mode == "raw")
         texts.append(prompts.render_prompt(tokenizer, request, s.one_shot))
     if mode == "reflect" and first_turn is not None:
         records = [dict(r) for r in first_turn]
@@ -159,13 +162,17 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings
         summary["with_lessons"] = float(len(lessons)) / len(rows)
 
     if mode == "reflect":  # turn 2: each sample reviews its own first attempt (never told if it was right)
+        # labels reach the builder only in the leaky ablations, as in training (lanpo.build_prompts)
         second = [reflect.reflection_prompt(tokenizer, r["problem"], [resp], attempt_tokens=s.attempt_tokens,
-                                            one_shot=s.one_shot)[0] for r in records for resp in r["responses"]]
+                                            one_shot=s.one_shot, **({} if s.reflect_mode == "agnostic" else {
+                                                "mode": s.reflect_mode, "rewards": [verdict], "gold": r["gold"]}))[0]
+                  for r in records for resp, verdict in zip(r["responses"], r["verdicts"])]
         outs2 = _sample(model, tokenizer, second, s, eos_ids)
         turn2 = [_record(row, "", outs2[i * k:(i + 1) * k]) for i, row in enumerate(rows)]
-        for r, t in zip(records, turn2):
+        for i, (r, t) in enumerate(zip(records, turn2)):
             for key in ("responses", "answers", "verdicts", "lengths", "truncated"):
                 r[f"turn2_{key}"] = t[key]
+            r["turn2_prompts"] = second[i * k:(i + 1) * k]  # one per sample: each shows its own first attempt
         summary.update(turn2_summary(records, k))
     return records, summary
 

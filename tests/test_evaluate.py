@@ -60,7 +60,7 @@ def _bench(tmp_path, n=6, name="bench.jsonl"):
 def test_reflect_mode_runs_two_turns_and_counts_flips(tiny, monkeypatch, tmp_path):
     monkeypatch.setattr(math_grader, "grade", fake_grade)
     model, tokenizer = tiny
-    rows = evaluate.load_benchmark(str(_bench(tmp_path)), tmp_path, 0, 0, "test")
+    rows = evaluate.load_benchmark(str(_bench(tmp_path)), tmp_path, 0, 0, "test", [1, 2, 3], 48)
     s = scoring.EvalSettings.from_config(lanpo.Config(), samples=3, temperature=1.0, max_new_tokens=6,
                                          attempt_tokens=32)
     records, summary = scoring.evaluate_rows(model, tokenizer, rows, "reflect", s, [2])
@@ -177,3 +177,96 @@ def test_compare_is_a_paired_bootstrap_on_the_same_problems(tmp_path):
         evaluate.main(["--compare", str(tmp_path / "a"), str(tmp_path / "c")])
     with pytest.raises(SystemExit, match="no problems.jsonl"):
         evaluate.main(["--compare", str(tmp_path / "a"), str(tmp_path / "nothing")])
+
+
+ATTEMPT = "2 + 5 = 8, and 8 is odd. Checking once more with care: the answer is \\boxed{8}."
+
+
+def _eval_prompts(tiny_model_dir, tmp_path, mode, flags, monkeypatch, pool=None):
+    """evaluate.py's prompts for one problem under these flags, each turn as recorded in problems.jsonl; turn 1's
+    response is ATTEMPT (sampling replaced), so that turn 2 shows what a training pool trial would."""
+    import torch
+
+    from rollout import Completion
+
+    def first_turn_is_attempt(model, tokenizer, texts, s, eos_ids):
+        return [Completion(torch.tensor([1]), torch.tensor([2]), False, ATTEMPT) for _ in texts]
+
+    if mode == "reflect":
+        monkeypatch.setattr(scoring, "_sample", first_turn_is_attempt)
+    bench = tmp_path / "one.jsonl"
+    bench.write_text(json.dumps({"id": "p", "problem": "What is 2 + 5?", "answer": "7"}) + "\n")
+    out = tmp_path / f"eval-{mode}"
+    evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", str(bench), "--mode", mode, "--max-new-tokens", "4",
+                   "--abstract-max-tokens", "6", "--no-cpu-rows-first-matmul", "--out-dir", str(out), *flags,
+                   *(["--pool", str(pool)] if pool else [])])
+    return json.loads((out / "problems.jsonl").read_text().splitlines()[0])
+
+
+REFLECTION_FLAGS = [[], ["--reflect-mode", "with-reward"], ["--reflect-mode", "with-gold"], ["--attempt-tokens", "6"],
+                    ["--no-one-shot"], ["--reflect-source", "any"]]
+
+
+@pytest.mark.parametrize("flags", REFLECTION_FLAGS, ids=lambda f: " ".join(f) or "default")
+def test_evaluation_reflects_with_the_prompt_training_builds(tiny, tiny_model_dir, tmp_path, monkeypatch, flags):
+    """Every flag that shapes a reflection prompt: evaluate.py's turn-2 prompt (recorded) is the one training
+    builds from a pool holding the same attempt with the same verdict, and the flag changes it as it changes
+    training's (or, --reflect-source, changes neither: turn 1 is from scratch)."""
+    _, tokenizer = tiny
+    row = {"id": "p", "problem": "What is 2 + 5?", "answer": "7"}
+    pool = ExperiencePool()
+    pool.add([Trial("p", row["problem"], "scratch", "", ATTEMPT, 0.0, 1)])
+
+    def training(*f):
+        cfg = lanpo.parse_config(["--feedback", "intra", "--feedback-ratio", "1", *f])
+        return lanpo.build_prompts(tokenizer, [row], pool, {}, cfg)[0]
+
+    assert training(*flags).kind == "reflect"
+    record = _eval_prompts(tiny_model_dir, tmp_path, "reflect", flags, monkeypatch)
+    assert record["turn2_prompts"] == [training(*flags).text]
+    assert (training(*flags).text != training().text) == (flags not in ([], ["--reflect-source", "any"]))
+
+
+# on top of raw trajectories at gamma 0 (the lessons are then text the flags shape, not a tiny model's output)
+ABSTRACTION_FLAGS = [[], ["--inter-mode", "principles"], ["--inter-candidates", "1"], ["--attempt-tokens", "6"],
+                     ["--no-one-shot"], ["--relevance-threshold", "0.5308"],
+                     ["--relevance-threshold", "0.5308", "--relevance-text", "problem"]]
+
+
+@pytest.mark.parametrize("flags", ABSTRACTION_FLAGS, ids=lambda f: " ".join(f) or "default")
+def test_evaluation_abstracts_with_the_prompt_training_builds(tiny, tiny_model_dir, tmp_path, monkeypatch, flags):
+    """Every flag that shapes an abstraction prompt: evaluate.py --mode abstract's prompt (recorded) is the one
+    training builds from the same pool, and the flag changes it as it changes training's."""
+    import abstract
+
+    model, tokenizer = tiny
+    row = {"id": "p", "problem": "What is 2 + 5?", "answer": "7"}
+    pool = ExperiencePool()
+    pool.add([Trial(f"t{i}", f"What is {i} + 2?", "scratch", "", f"{i} + 2 = {i + 2}. " * 4, 1.0, 1) for i in range(3)])
+    pool.save(tmp_path / "pool.jsonl")
+    base = ["--relevance-threshold", "0", "--inter-mode", "raw"]
+
+    def training(*f):
+        cfg = lanpo.parse_config(["--feedback", "inter", "--feedback-ratio", "1", "--abstract-max-tokens", "6", *f])
+        lessons, _ = abstract.lessons_for(
+            model, tokenizer, pool, [row], {}, 1, candidates=cfg.inter_candidates, gamma=cfg.relevance_threshold,
+            mode=cfg.inter_mode, refresh=1, attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens,
+            eos_ids=[tokenizer.eos_token_id], gen_batch=cfg.gen_batch, relevance_text=cfg.relevance_text)
+        return lanpo.build_prompts(tokenizer, [row], pool, lessons, cfg)[0]
+
+    flags = base + flags
+    assert _eval_prompts(tiny_model_dir, tmp_path, "abstract", flags, monkeypatch, tmp_path / "pool.jsonl")[
+        "prompt"] == training(*flags).text
+    # the tiny model's relevance scores: 0.5292-0.5295 reading the solutions (none kept at 0.5308: a plain
+    # prompt), 0.5307-0.5309 reading the problems only (two of three kept)
+    assert (training(*flags).text != training(*base).text) == (len(flags) > len(base))
+    if "--relevance-text" in flags:
+        assert training(*flags).text.count("Related problem") == 2
+        assert training(*flags[:-2]).kind == "scratch"
+
+
+def test_evaluation_refuses_what_it_cannot_honour(tmp_path):
+    bench = _bench(tmp_path)
+    with pytest.raises(SystemExit, match="--reflect-attempts 2: --mode reflect shows each sample its one first"):
+        evaluate.main(["--model", "no/such-model", "--benchmarks", str(bench), "--mode", "reflect",
+                       "--reflect-attempts", "2"])
