@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from vs_trl import TRL_RUN, run_child  # noqa: E402  (bench scripts share the TRL child)
+from vs_trl import TRL_RUN, check_same_problems, lanpo_order, run_child  # noqa: E402  (bench scripts share these)
 
 
 def lanpo_args(args, seed: int, out: Path) -> list[str]:
@@ -48,9 +48,7 @@ def step_order(args, seed: int) -> list[dict]:
     import lanpo
 
     cfg = lanpo.parse_config(lanpo_args(args, seed, Path("unused")))
-    train_rows = lanpo.load_rows(cfg)[0]
-    return [row for step in range(args.steps)
-            for row in lanpo.problems_for_step(train_rows, step, args.batch_problems, seed)]
+    return lanpo_order(lanpo.load_rows(cfg)[0], args.steps, args.batch_problems, seed)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -94,11 +92,7 @@ def main() -> None:
             (theirs / "trl_run.py").write_text(TRL_RUN.format(root=str(ROOT)))
             run_child([sys.executable, str(theirs / "trl_run.py"), json.dumps(spec)], env)
             result = json.loads((theirs / "result.json").read_text())
-            graded = [i for call in result["seen_ids"] for i in call[::args.group_size]]
-            expected = [r["id"] for r in order]
-            if graded != expected:
-                raise SystemExit(f"seed {seed}: TRL graded problems {graded[:8]}... but lanpo's order is "
-                                 f"{expected[:8]}...: the runs are not on the same problems")
+            check_same_problems(result, order, args.group_size, f"seed {seed}")
             (theirs / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in result["records"]))
         curves["lanpo"].append([r["reward_mean"] for r in read_jsonl(ours / "metrics.jsonl")])
         curves["trl"].append([r["reward_mean"] for r in read_jsonl(theirs / "metrics.jsonl")])

@@ -1,5 +1,6 @@
 """Step time and peak memory: lanpo.py (plain GRPO) against TRL's GRPOTrainer on an identical configuration:
-the embedded SmolLM2-135M on CPU, the same synthetic:arith problems and one-shot chat prompt, the same
+the embedded SmolLM2-135M on CPU, the same synthetic:arith problems in the same order (lanpo's step order
+written out for TRL with its shuffling off; the ids TRL graded are checked) and one-shot chat prompt, the same
 reward (math_grader.grade), B problems x G samples, max_new_tokens, one policy epoch, constant LR, beta = 0,
 the `grpo` loss, group-std advantages, no gradient checkpointing, fp32, the same malloc settings
 (`lanpo.keep_freed_host_memory`). Runs alternate (ours, TRL, ours, TRL, ...) in fresh processes; the first
@@ -78,6 +79,23 @@ json.dump({{"step_times": times, "records": records, "seen_ids": seen_ids}}, ope
 SPLIT = ("time_generate", "time_grade", "time_logprob", "time_update")  # lanpo's metrics of each step
 
 
+def lanpo_order(rows: list[dict], steps: int, batch_problems: int, seed: int) -> list[dict]:
+    """The problems lanpo trains on, step after step (lanpo.problems_for_step): written out as TRL's data set
+    with its shuffling off, TRL's step k then holds the same B problems as lanpo's."""
+    import lanpo
+
+    return [row for step in range(steps) for row in lanpo.problems_for_step(rows, step, batch_problems, seed)]
+
+
+def check_same_problems(result: dict, order: list[dict], group_size: int, what: str) -> None:
+    """Stop unless the problems TRL graded (its reward function saw their ids) are `order`."""
+    graded = [i for call in result["seen_ids"] for i in call[::group_size]]
+    expected = [r["id"] for r in order]
+    if graded != expected:
+        raise SystemExit(f"{what}: TRL graded problems {graded[:8]}... but lanpo's order is {expected[:8]}...: "
+                         "the runs are not on the same problems")
+
+
 def run_child(cmd: list[str], env: dict) -> float:
     """Run a command to completion; return its peak resident memory in MB."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -104,8 +122,10 @@ def main() -> None:
 
     model_dir = str(models.embedded_model_dir())
     work = Path(tempfile.mkdtemp(prefix="vs_trl_"))
-    rows = list({r["problem"]: r for r in data.synthetic_arith("train", 80, seed=0, levels=[1, 2, 3])}.values())
+    rows = data.synthetic_arith("train", 80, seed=0, levels=[1, 2, 3])
     (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    order = lanpo_order(rows, args.steps, args.batch_problems, seed=0)  # lanpo's steps, for TRL in this order
+    (work / "trl_data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in order))
     env = dict(os.environ, WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
     ours_times, trl_times, ours_rss, trl_rss, ours_split = [], [], [], [], {}
     n = args.batch_problems * args.group_size
@@ -121,15 +141,17 @@ def main() -> None:
         ours_times += [r["time_step"] for r in records]
         for key in SPLIT:
             ours_split.setdefault(key, []).extend(r[key] for r in records)
-        spec = {"root": str(ROOT), "data": str(work / "data.jsonl"), "model": model_dir, "steps": args.steps,
+        spec = {"root": str(ROOT), "data": str(work / "trl_data.jsonl"), "model": model_dir, "steps": args.steps,
                 "batch_problems": args.batch_problems, "group_size": args.group_size,
-                "max_new_tokens": args.max_new_tokens, "seed": 0, "lr": 2e-6, "shuffle": True,
+                "max_new_tokens": args.max_new_tokens, "seed": 0, "lr": 2e-6, "shuffle": False,
                 "out": str(work / f"trl-{r}"),
                 "result": str(work / f"trl-{r}.json")}
         script = work / "trl_run.py"
         script.write_text(TRL_RUN.format(root=str(ROOT)))
         trl_rss.append(run_child([sys.executable, str(script), json.dumps(spec)], env))
-        trl_times += json.loads(Path(spec["result"]).read_text())["step_times"][1:]
+        trl_result = json.loads(Path(spec["result"]).read_text())
+        check_same_problems(trl_result, order, args.group_size, f"round {r}")
+        trl_times += trl_result["step_times"][1:]
     low, high = stats.median_ratio_interval(ours_times, trl_times)
     result = {
         "config": vars(args), "ours_step_s": ours_times, "trl_step_s": trl_times, "ours_split_s": ours_split,

@@ -167,8 +167,9 @@ NASTY = [
 
 @pytest.mark.parametrize("text", NASTY, ids=range(len(NASTY)))
 def test_nasty_outputs_grade_fast_and_safely(text):
+    """Each graded right (only the surrogate-prefixed \\boxed{1} answers the gold 1), within the time bound."""
     t0 = time.perf_counter()
-    assert math_grader.grade(text, "1", timeout=2.0) in (0.0, 1.0)
+    assert math_grader.grade(text, "1", timeout=2.0) == (1.0 if text.endswith("\\boxed{1}") else 0.0)
     assert time.perf_counter() - t0 < 6.0
 
 
@@ -178,8 +179,15 @@ def test_nasty_outputs_grade_fast_and_safely(text):
                                                                        max_size=80), st.text(max_size=20))),
        st.sampled_from(["1", "\\frac{1}{2}", "2\\sqrt{3}", "(1, 2]", "x^2+1"]))
 def test_grader_fuzz_is_bounded(text, gold):
+    """Any text is graded within the time bound, the same each time, 0 without an answer to extract, and a
+    final boxed gold answer after brace-free text is graded right."""
     t0 = time.perf_counter()
-    assert math_grader.grade(text, gold, timeout=1.0) in (0.0, 1.0)
+    verdict = math_grader.grade(text, gold, timeout=1.0)
+    assert verdict == math_grader.grade(text, gold, timeout=1.0)
+    if math_grader.extract_answer(text) is None:
+        assert verdict == 0.0
+    if not {"{", "}", "\\"} & set(text):
+        assert math_grader.grade(f"{text}\n\nThe answer is \\boxed{{{gold}}}.", gold, timeout=1.0) == 1.0
     assert time.perf_counter() - t0 < 4.0
 
 

@@ -1,0 +1,99 @@
+"""Mutation score of the modules the method's correctness rests on (grpo.py, reflect.py, pool.py, distill.py,
+prompts.py), measured with mutmut: each mutant changes one operator, constant, argument or string, and runs
+against the tests that reach the mutated function; a mutant that no test notices has survived. Prints, per
+module, the mutants, how many the tests killed and the score (killed, or timed out, over all), writes the
+survivors' names to --out (`mutmut show NAME` in --work prints a survivor's diff).
+
+The tests are the unit tests: those that train a whole run (the `tiny_model_dir` fixture) are left out, so a
+mutant is judged in seconds; a mutant only a whole run reaches counts as not killed here.
+
+    pip install mutmut==3.8.1           # benchmark-only dependency
+    python bench/mutation.py            # all five modules; ~40 min on 2 cores
+    python bench/mutation.py --modules reflect.py pool.py
+
+It works in a copy of the repository under --work (mutmut writes its config and mutants/ there): the checkout
+is never changed. A second run with the same --work reuses the verdicts of unchanged code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = ["grpo.py", "reflect.py", "pool.py", "distill.py", "prompts.py"]
+TESTS = ["tests/test_grpo.py", "tests/test_lanpo.py", "tests/test_distill.py", "tests/test_train.py",
+         "tests/test_evaluate.py", "tests/test_data.py", "tests/test_rollout.py"]
+UNIT_ONLY = '''"""pytest plugin of bench/mutation.py: leave out the tests that train a whole run."""
+
+
+def pytest_collection_modifyitems(config, items):
+    whole_runs = [item for item in items if "tiny_model_dir" in getattr(item, "fixturenames", ())]
+    config.hook.pytest_deselected(items=whole_runs)
+    items[:] = [item for item in items if item not in whole_runs]
+'''
+
+
+def copy_repository(work: Path) -> None:
+    """The tracked files of the checkout, as they are now, into `work` (mutmut's own files there are kept)."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file():
+            (work / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, work / name)
+
+
+def verdicts(work: Path, modules: list[str]) -> dict[str, Counter]:
+    """Per module: how many mutants ended in each of mutmut's states (killed, survived, timeout, no tests...)."""
+    from mutmut.stats import status_by_exit_code
+
+    out = {}
+    for module in modules:
+        meta = json.loads((work / "mutants" / f"{module}.meta").read_text())
+        out[module] = Counter(status_by_exit_code[code] for code in meta["exit_code_by_key"].values())
+        out[module]["survivors"] = [name for name, code in meta["exit_code_by_key"].items()
+                                    if status_by_exit_code[code] in ("survived", "no tests")]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modules", nargs="+", default=MODULES, choices=MODULES)
+    ap.add_argument("--work", default="runs/mutation", help="where the copy of the repository and mutants/ go")
+    ap.add_argument("--out", default="runs/bench/mutation.json")
+    args = ap.parse_args()
+
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    copy_repository(work)
+    (work / "mutation_unit_only.py").write_text(UNIT_ONLY)
+    others = sorted({p.name for p in ROOT.glob("*.py")} - set(args.modules))
+    (work / "setup.cfg").write_text(
+        "[mutmut]\nsource_paths =\n    " + "\n    ".join(args.modules) + "\n"
+        "also_copy =\n    " + "\n    ".join([*others, "configs/", "mutation_unit_only.py"]) + "\n"
+        "pytest_add_cli_args =\n    -p\n    mutation_unit_only\n    -q\n"
+        "pytest_add_cli_args_test_selection =\n    " + "\n    ".join(TESTS) + "\n")
+    done = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=work)
+    if done.returncode:
+        raise SystemExit(f"mutmut run failed (exit {done.returncode}); its files are in {work}")
+
+    result = verdicts(work, args.modules)
+    print("| module | mutants | killed | timeout | survived | no tests | score |\n|---|---|---|---|---|---|---|")
+    for module, c in result.items():
+        total = sum(v for k, v in c.items() if k != "survivors")
+        score = (c["killed"] + c["timeout"]) / total if total else float("nan")
+        print(f"| {module} | {total} | {c['killed']} | {c['timeout']} | {c['survived']} | {c['no tests']} | "
+              f"{score:.1%} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"survivors by name in {args.out}; `cd {work} && mutmut show NAME` prints one's diff")
+
+
+if __name__ == "__main__":
+    main()

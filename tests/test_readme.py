@@ -1,0 +1,86 @@
+"""Every command the README quotes still runs as written: each is parsed by its own script's argument parser
+(nothing is run), so a renamed or removed flag fails here instead of in a reader's terminal."""
+
+import argparse
+import re
+import runpy
+import shlex
+import sys
+
+import pytest
+from conftest import ROOT
+
+RECIPES = re.findall(r"^  ([a-z0-9-]+)\)", (ROOT / "run.sh").read_text(), flags=re.M)
+PLACEHOLDER = re.compile(r"^(\[.*\]|<.*>|\.\.\.|…)$")
+
+
+def quoted_commands(text: str) -> list[str]:
+    """Command lines in the README: lines of fenced blocks (continuations joined) and inline code spans (over
+    line breaks too), split at `;` and `&&`, that start a Python script, accelerate launch or run.sh."""
+    pieces = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        pieces += block.replace("\\\n", " ").splitlines()
+    pieces += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))]
+    commands = []
+    for piece in pieces:
+        for part in re.split(r";|&&", piece.split("#")[0]):
+            part = " ".join(part.split())
+            if re.match(r"(\S*python3?|accelerate launch|\./run\.sh)(\s|$)", part) and ".py" in part + ".py" * (
+                    part.startswith("./run.sh")):
+                commands.append(part)
+    return sorted(set(commands))
+
+
+def script_and_args(command: str) -> tuple[str, list[str]]:
+    words = [w for w in shlex.split(command) if not PLACEHOLDER.match(w)]
+    if words[0] == "./run.sh":
+        recipe = words[1] if len(words) > 1 and not words[1].startswith("-") else "default"
+        assert recipe in RECIPES, f"run.sh has no recipe {recipe!r}"
+        args = words[2:] if len(words) > 1 and not words[1].startswith("-") else words[1:]
+        if recipe in ("test", "lint"):
+            return "", []
+        return "lanpo.py", [a for a in args if a != "--dry-run"] if recipe == "ablate" else args
+    script = next(w for w in words if w.endswith(".py"))
+    return script, words[words.index(script) + 1:]
+
+
+class Parsed(Exception):
+    pass
+
+
+COMMANDS = quoted_commands((ROOT / "README.md").read_text())
+
+
+def test_the_readme_quotes_commands():
+    assert len(COMMANDS) > 20 and any(c.startswith("./run.sh") for c in COMMANDS)
+    assert quoted_commands("Run `python bench/x.py --a 1; python lanpo.py --b` and\n```bash\naccelerate launch "
+                           "--config_file c.yaml lanpo.py \\\n  --steps 2\n```\n") == [
+        "accelerate launch --config_file c.yaml lanpo.py --steps 2", "python bench/x.py --a 1", "python lanpo.py --b"]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[:70])
+def test_every_readme_command_parses(command, monkeypatch):
+    script, args = script_and_args(command)
+    if not script:
+        return
+    path = ROOT / script
+    assert path.is_file(), f"{command}: no {script}"
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, argv=None, namespace=None):
+        real(self, argv, namespace)  # an unknown flag or a bad value exits here, with argparse's message
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "argv", [str(path), *args])
+    monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])
+    with pytest.raises(SystemExit if "--help" in args else Parsed) as stopped:
+        runpy.run_path(str(path), run_name="__main__")
+    assert stopped.type is Parsed or stopped.value.code == 0  # --help prints and exits 0
+
+
+def test_an_unknown_flag_fails(monkeypatch):
+    with pytest.raises(SystemExit):
+        test_every_readme_command_parses("python lanpo.py --no-such-flag 1", monkeypatch)
+    with pytest.raises(AssertionError, match="no recipe 'grpo-70b'"):
+        test_every_readme_command_parses("./run.sh grpo-70b --steps 1", monkeypatch)
