@@ -4,8 +4,8 @@ against the tests that reach the mutated function; a mutant that no test notices
 module, the mutants, how many the tests killed and the score (killed, or timed out, over all), writes the
 survivors' names to --out (`mutmut show NAME` in --work prints a survivor's diff).
 
-The tests are the unit tests: those that train a whole run (the `tiny_model_dir` fixture) are left out, so a
-mutant is judged in seconds; a mutant only a whole run reaches counts as not killed here.
+The tests are the unit tests: those that train or evaluate a whole run (they take the `tiny_model_dir` fixture)
+are left out, so a mutant is judged in seconds; a mutant only a whole run reaches counts as not killed here.
 
     pip install mutmut==3.8.1           # benchmark-only dependency
     python bench/mutation.py            # all five modules; ~40 min on 2 cores
@@ -29,11 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["grpo.py", "reflect.py", "pool.py", "distill.py", "prompts.py"]
 TESTS = ["tests/test_grpo.py", "tests/test_lanpo.py", "tests/test_distill.py", "tests/test_train.py",
          "tests/test_evaluate.py", "tests/test_data.py", "tests/test_rollout.py"]
-UNIT_ONLY = '''"""pytest plugin of bench/mutation.py: leave out the tests that train a whole run."""
+UNIT_ONLY = '''"""pytest plugin of bench/mutation.py: leave out the tests that train or evaluate a whole run (those
+that take the tiny model's directory themselves; the in-memory model `tiny` is fine)."""
+import inspect
 
 
 def pytest_collection_modifyitems(config, items):
-    whole_runs = [item for item in items if "tiny_model_dir" in getattr(item, "fixturenames", ())]
+    whole_runs = [item for item in items if "tiny_model_dir" in inspect.signature(item.obj).parameters]
     config.hook.pytest_deselected(items=whole_runs)
     items[:] = [item for item in items if item not in whole_runs]
 '''
@@ -76,7 +78,7 @@ def main() -> None:
     others = sorted({p.name for p in ROOT.glob("*.py")} - set(args.modules))
     (work / "setup.cfg").write_text(
         "[mutmut]\nsource_paths =\n    " + "\n    ".join(args.modules) + "\n"
-        "also_copy =\n    " + "\n    ".join([*others, "configs/", "mutation_unit_only.py"]) + "\n"
+        "also_copy =\n    " + "\n    ".join([*others, "configs/", "bench/", "mutation_unit_only.py"]) + "\n"
         "pytest_add_cli_args =\n    -p\n    mutation_unit_only\n    -q\n"
         "pytest_add_cli_args_test_selection =\n    " + "\n    ".join(TESTS) + "\n")
     done = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=work)
