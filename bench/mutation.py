@@ -27,8 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["grpo.py", "reflect.py", "pool.py", "distill.py", "prompts.py"]
-TESTS = ["tests/test_grpo.py", "tests/test_lanpo.py", "tests/test_distill.py", "tests/test_train.py",
-         "tests/test_evaluate.py", "tests/test_data.py", "tests/test_rollout.py"]
+TESTS = ["tests/test_grpo.py", "tests/test_lanpo.py", "tests/test_prompts.py", "tests/test_distill.py",
+         "tests/test_train.py", "tests/test_evaluate.py", "tests/test_data.py", "tests/test_rollout.py"]
 UNIT_ONLY = '''"""pytest plugin of bench/mutation.py: leave out the tests that train or evaluate a whole run (those
 that take the tiny model's directory themselves; the in-memory model `tiny` is fine)."""
 import inspect

@@ -140,6 +140,9 @@ def test_feedback_model_loss_hand_computed():
     logps = torch.tensor([[math.log(0.5), math.log(0.25), 0.0], [math.log(0.1), math.log(0.1), math.log(0.1)]])
     loss, nll = distill.feedback_model_loss(logps, torch.tensor([1.0, 0.0]), 0.5, 2)
     assert nll.item() == pytest.approx(3 * math.log(2)) and loss.item() == pytest.approx(0.5 * 3 * math.log(2) / 2)
+    # a window below one token a process (one target token over two processes): divided by it, not by 1
+    assert distill.feedback_model_loss(logps, torch.tensor([1.0, 0.0]), 0.5, 0.5)[0].item() == pytest.approx(
+        0.5 * 3 * math.log(2) / 0.5)
 
 
 def test_first_turn_advantages_hand_computed():
@@ -151,8 +154,14 @@ def test_first_turn_advantages_hand_computed():
     # group std (sample): group 1 = std(1, 0, 1, 1) = 0.5, group 2 = std(0, 0, 1, 0) = 0.5
     scaled = distill.first_turn_advantages(rewards, scratch, 4, "group")
     assert scaled.tolist() == pytest.approx([x / (0.5 + grpo.ADV_EPS) for x in adv.tolist()])
-    with pytest.raises(ValueError, match="group 1 has no from-scratch rollout"):
+    assert distill.first_turn_advantages(rewards, scratch, 4).tolist() == scaled.tolist()  # default: group std
+    batch = distill.first_turn_advantages(rewards, scratch, 4, "batch")
+    assert batch.tolist() == pytest.approx([x / (rewards.std().item() + grpo.ADV_EPS) for x in adv.tolist()])
+    with pytest.raises(ValueError, match=r"group 1 has no from-scratch rollout, so RLTF-SD has no baseline for it; "
+                                         r"lower --feedback-ratio so that round\(rho\*G\) < G"):
         distill.first_turn_advantages(rewards, torch.tensor([True] * 4 + [False] * 4), 4)
+    with pytest.raises(ValueError, match="scale must be 'group', 'batch' or 'none', got 'std'"):
+        distill.first_turn_advantages(rewards, scratch, 4, "std")
 
 
 @settings(max_examples=30, deadline=None)

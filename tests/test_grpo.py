@@ -22,8 +22,12 @@ def test_group_advantages_by_hand():
     batch_std = math.sqrt((2 * 0.75**2 + 6 * 0.25**2) / 7)
     assert torch.allclose(grpo.group_advantages(r, 4, "batch")[:4],
                           torch.tensor([0.5, -0.5, -0.5, 0.5]) / (batch_std + grpo.ADV_EPS))
-    with pytest.raises(ValueError):
+    assert torch.equal(grpo.group_advantages(r, 4), adv)  # the default scale is the group's std
+    assert torch.equal(grpo.group_advantages(r, 1), torch.zeros(8))  # a group of one: no spread, no NaN
+    with pytest.raises(ValueError, match=r"1-D with a multiple of group_size=3 items, got shape \(8,\)"):
         grpo.group_advantages(r, 3)
+    with pytest.raises(ValueError, match="scale must be 'group', 'batch' or 'none', got 'std'"):
+        grpo.group_advantages(r, 4, "std")
 
 
 def test_completion_mask_includes_first_eos_only():

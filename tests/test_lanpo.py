@@ -6,6 +6,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 from conftest import MEASURED
@@ -84,10 +85,64 @@ def test_tfidf_is_incremental_equal_to_rebuild():
 
 
 def test_embedding_index_ranks_by_cosine():
-    vecs = {"a": [1.0, 0.0], "b": [0.7, 0.7], "c": [0.0, 1.0], "q": [0.9, 0.1]}
-    pool = ExperiencePool(index=EmbeddingIndex(lambda texts: [vecs[t] for t in texts]))
+    """Scores are cosines in float64 (of float32 embeddings too), best first whatever the ids' order; an evicted
+    problem's vector leaves with it."""
+    vecs = {"a": [0.0, 3.0], "b": [0.7, 0.7], "c": [2.0, 0.0], "q": [0.9, 0.1], "d": [1.0, 1.0]}
+    pool = ExperiencePool(max_problems=3, index=EmbeddingIndex(lambda texts: np.array([vecs[t] for t in texts],
+                                                                                      dtype=np.float32)))
     pool.add([trial(k, k) for k in "abc"])
-    assert [ts[0].problem_id for _, ts in pool.similar("q", 3)] == ["a", "b", "c"]
+    hits = pool.similar("q", 3)
+    assert [ts[0].problem_id for _, ts in hits] == ["c", "b", "a"]
+    def unit(v):  # the float32 embedding, normalised in float64
+        v = np.array(v, dtype=np.float32).astype(np.float64)
+        return v / np.linalg.norm(v)
+
+    want = [unit(vecs["q"]) @ unit(vecs[k]) for k in "cba"]
+    assert [s for s, _ in hits] == pytest.approx(want, rel=1e-12)
+    assert all(v.dtype == np.float64 for v in pool.index.vectors.values())
+    pool.add([trial("d", "d")])  # evicts a, the least recently tried
+    assert sorted(pool.index.vectors) == ["b", "c", "d"] and len(pool) == 3
+
+
+def test_tfidf_forgets_a_removed_document_and_ignores_an_unknown_one():
+    pool = ExperiencePool()
+    pool.add([trial("a", "apples pears"), trial("b", "apples boats")])
+    pool.index.remove("never-added")
+    pool.index.remove("a")
+    assert [ts[0].problem_id for _, ts in pool.similar("apples", 5)] == ["b"] and pool.index.df["pears"] == 0
+
+
+def test_pool_saves_readable_utf8_atomically_and_load_replaces_everything(tmp_path, monkeypatch):
+    """UTF-8 on any locale, non-ASCII text as it is (head shows it), a lone surrogate escaped exactly; written
+    to pool.jsonl.tmp and renamed; loading forgets what the pool held before, index included."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    pool = ExperiencePool()
+    pool.add([trial("e", "Écrire π", "réponse", 1.0, 1), trial("s", "surrogate", "bad \udcff byte", 0.0, 2)])
+    renamed = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: renamed.append((src, dst)) or real_replace(src, dst))
+    pool.save(tmp_path / "pool.jsonl")
+    assert renamed == [(tmp_path / "pool.jsonl.tmp", tmp_path / "pool.jsonl")]
+    lines = (tmp_path / "pool.jsonl").read_bytes().decode("utf-8").splitlines()
+    assert '"problem": "Écrire π"' in lines[0] and '"response": "bad \\udcff byte"' in lines[1]
+    again = ExperiencePool()
+    again.add([trial("old", "Écrire old π")])
+    again.load(tmp_path / "pool.jsonl")
+    assert again.trials == pool.trials and "old" not in again.index.docs
+    assert [ts[0].problem_id for _, ts in again.similar("Écrire", 5)] == ["e"]
+    # the same under a C locale (no UTF-8 default): save and load name their encoding
+    script = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pool import ExperiencePool; "
+              f"p = ExperiencePool(); p.load({str(tmp_path / 'pool.jsonl')!r}); p.save({str(tmp_path / 'c.jsonl')!r})")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}
+    done = subprocess.run([sys.executable, "-c", script], env={**env, "LC_ALL": "C", "PYTHONUTF8": "0"},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "c.jsonl").read_bytes() == (tmp_path / "pool.jsonl").read_bytes()
 
 
 def test_pool_save_load_round_trip(tmp_path):
