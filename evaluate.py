@@ -23,18 +23,20 @@ from pathlib import Path
 
 import torch
 
+import abstract
 import data
 import lanpo
 import models
 import scoring
 import stats
-from pool import ExperiencePool
+from pool import EmbeddingIndex, ExperiencePool
 
 # the settings evaluation shares with training: flags, help and defaults come from lanpo.Config
 # (every one that shapes a prompt: reflection's and abstraction's settings are honoured by the same builders)
 SHARED = ("model", "seed", "levels", "synthetic_size", "max_new_tokens", "top_p", "one_shot", "gen_batch",
           "attempt_tokens", "reflect_mode", "reflect_attempts", "reflect_source", "inter_mode", "inter_candidates",
-          "relevance_threshold", "relevance_text", "abstract_max_tokens", "share_prefill", "cpu_rows_first_matmul")
+          "relevance_threshold", "relevance_text", "abstract_max_tokens", "retriever", "pool_per_problem",
+          "pool_max_problems", "share_prefill", "cpu_rows_first_matmul")
 
 
 def compare(a_dir: str, b_dir: str) -> str:
@@ -179,8 +181,10 @@ def main(argv: list[str] | None = None) -> dict:
     if "abstract" in args.mode:
         if not args.pool:
             raise SystemExit("--mode abstract needs --pool (a pool.jsonl saved by a training run)")
-        pool = ExperiencePool()
-        pool.load(args.pool)
+        if not Path(args.pool).is_file():
+            raise SystemExit(f"--pool {args.pool}: file not found (a run's checkpoints/step-N/pool.jsonl)")
+        pool = ExperiencePool(args.pool_per_problem, args.pool_max_problems)
+        pool.load(args.pool)  # checked now; under --retriever policy it is indexed again once the model is here
     # every benchmark is loaded and checked before the model is
     levels = lanpo.parse_levels(args.levels)
     benchmarks = {Path(name).name: load_benchmark(name, Path(args.data_dir), args.limit, args.seed, args.split, levels,
@@ -195,6 +199,10 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.cpu_rows_first_matmul:
         models.rows_first_linears(model)
     eos_ids = models.eos_token_ids(model, tokenizer)
+    if pool is not None and args.retriever == "policy":  # retrieval by the policy's hidden states, as in training
+        pool = ExperiencePool(args.pool_per_problem, args.pool_max_problems,
+                              EmbeddingIndex(abstract.hidden_state_embedder(model, tokenizer)))
+        pool.load(args.pool)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, float]]] = {}
     args.mode = sorted(set(args.mode), key=scoring.MODES.index)  # zero-shot first: reflect reuses it as turn 1

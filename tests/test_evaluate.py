@@ -230,7 +230,8 @@ def test_evaluation_reflects_with_the_prompt_training_builds(tiny, tiny_model_di
 # on top of raw trajectories at gamma 0 (the lessons are then text the flags shape, not a tiny model's output)
 ABSTRACTION_FLAGS = [[], ["--inter-mode", "principles"], ["--inter-candidates", "1"], ["--attempt-tokens", "6"],
                      ["--no-one-shot"], ["--relevance-threshold", "0.5308"],
-                     ["--relevance-threshold", "0.5308", "--relevance-text", "problem"]]
+                     ["--relevance-threshold", "0.5308", "--relevance-text", "problem"],
+                     ["--retriever", "policy", "--inter-candidates", "1"], ["--pool-per-problem", "1"]]
 
 
 @pytest.mark.parametrize("flags", ABSTRACTION_FLAGS, ids=lambda f: " ".join(f) or "default")
@@ -238,16 +239,22 @@ def test_evaluation_abstracts_with_the_prompt_training_builds(tiny, tiny_model_d
     """Every flag that shapes an abstraction prompt: evaluate.py --mode abstract's prompt (recorded) is the one
     training builds from the same pool, and the flag changes it as it changes training's."""
     import abstract
+    from pool import EmbeddingIndex
 
     model, tokenizer = tiny
     row = {"id": "p", "problem": "What is 2 + 5?", "answer": "7"}
-    pool = ExperiencePool()
-    pool.add([Trial(f"t{i}", f"What is {i} + 2?", "scratch", "", f"{i} + 2 = {i + 2}. " * 4, 1.0, 1) for i in range(3)])
-    pool.save(tmp_path / "pool.jsonl")
+    saved = ExperiencePool()  # two trials of each problem: the newer one wrong, so best_trial picks the older
+    for step, reward, answer in ((1, 1.0, "{i} + 2 = {r}. " * 4), (2, 0.0, "{i} + 2 = {w}?")):
+        saved.add([Trial(f"t{i}", f"What is {i} + 2?", "scratch", "", answer.format(i=i, r=i + 2, w=i + 3), reward,
+                         step) for i in range(3)])
+    saved.save(tmp_path / "pool.jsonl")
     base = ["--relevance-threshold", "0", "--inter-mode", "raw"]
 
     def training(*f):
         cfg = lanpo.parse_config(["--feedback", "inter", "--feedback-ratio", "1", "--abstract-max-tokens", "6", *f])
+        index = EmbeddingIndex(abstract.hidden_state_embedder(model, tokenizer)) if cfg.retriever == "policy" else None
+        pool = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index)  # as lanpo.setup builds it
+        pool.load(tmp_path / "pool.jsonl")
         lessons, _ = abstract.lessons_for(
             model, tokenizer, pool, [row], {}, 1, candidates=cfg.inter_candidates, gamma=cfg.relevance_threshold,
             mode=cfg.inter_mode, refresh=1, attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens,
@@ -258,7 +265,7 @@ def test_evaluation_abstracts_with_the_prompt_training_builds(tiny, tiny_model_d
     assert _eval_prompts(tiny_model_dir, tmp_path, "abstract", flags, monkeypatch, tmp_path / "pool.jsonl")[
         "prompt"] == training(*flags).text
     # the tiny model's relevance scores: 0.5292-0.5295 reading the solutions (none kept at 0.5308: a plain
-    # prompt), 0.5307-0.5309 reading the problems only (two of three kept)
+    # prompt), 0.5307-0.5309 reading the problems only (two of three kept); one trial a problem: the wrong one
     assert (training(*flags).text != training(*base).text) == (len(flags) > len(base))
     if "--relevance-text" in flags:
         assert training(*flags).text.count("Related problem") == 2
@@ -270,3 +277,6 @@ def test_evaluation_refuses_what_it_cannot_honour(tmp_path):
     with pytest.raises(SystemExit, match="--reflect-attempts 2: --mode reflect shows each sample its one first"):
         evaluate.main(["--model", "no/such-model", "--benchmarks", str(bench), "--mode", "reflect",
                        "--reflect-attempts", "2"])
+    with pytest.raises(SystemExit, match="--pool missing.jsonl: file not found"):
+        evaluate.main(["--model", "no/such-model", "--benchmarks", str(bench), "--mode", "abstract",
+                       "--pool", "missing.jsonl"])
