@@ -1,6 +1,7 @@
 """Problems to train and evaluate on: a built-in procedural generator (`synthetic:arith`, the embedded
-default), the benchmark files beside the checkout by name (`gsm8k`, `math500`, ...), local
-.jsonl/.json/.csv files, and parquet files or hub datasets through `datasets`.
+default), the benchmark files that ship in the repository's data/ by name (`math500`, `aime24`, `gsm8k`,
+`math_train`, ...; data/README.md gives each one's source and licence), local .jsonl/.jsonl.gz/.json/.csv
+files, and parquet files or hub datasets through `datasets`.
 
 Every loader returns a list of dicts with string fields `id`, `problem`, `answer` (and `level` for the
 generator). Rows are validated on load; a bad row is an error that names the file and the row.
@@ -9,6 +10,7 @@ generator). Rows are validated on load; a bad row is an error that names the fil
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import random
 import re
@@ -17,13 +19,13 @@ from pathlib import Path
 
 import hub
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "shared" / "data"  # the benchmark files beside the checkout
+DATA_DIR = Path(__file__).resolve().parent / "data"  # the benchmark files of the repository
 BENCHMARKS = {"math500": "math500.jsonl", "aime24": "aime24.jsonl", "aime25": "aime25.jsonl",
-              "amc23": "amc23.jsonl", "gsm8k": "gsm8k_test.jsonl", "math": "math_test.jsonl",
-              "gsm8k_train": "gsm8k_train.jsonl", "math_train": "math_train.jsonl"}
+              "amc23": "amc23.jsonl", "gsm8k": "gsm8k_test.jsonl", "math": "math_test.jsonl.gz",
+              "gsm8k_train": "gsm8k_train.jsonl.gz", "math_train": "math_train.jsonl.gz"}
 NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Mia", "Ken", "Zoe"]
 ARITH_LEVELS = 6
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".csv")
 THINGS = ["apples", "pencils", "stickers", "marbles", "books", "coins", "cards", "shells"]
 
 
@@ -113,9 +115,10 @@ def problem_key(text: str) -> str:
 
 def load_problems(spec: str, split: str, *, size: int = 0, seed: int = 0, levels: list[int] | None = None,
                   train_size: int = 2000, id_field: str = "id", problem_field: str = "problem",
-                  answer_field: str = "answer", skip_bad: bool = False) -> tuple[list[dict], Counter]:
-    """Problems from `spec`: 'synthetic:arith', a local file, or a hub dataset name (split = its split),
-    and the count of skipped rows by reason (empty unless `skip_bad`).
+                  answer_field: str = "answer", skip_bad: bool = False,
+                  data_dir: Path = DATA_DIR) -> tuple[list[dict], Counter]:
+    """Problems from `spec`: 'synthetic:arith', a benchmark name (its file in `data_dir`), a local file, or a
+    hub dataset name (split = its split), and the count of skipped rows by reason (empty unless `skip_bad`).
     size > 0 keeps the first `size` rows (files) or generates that many (synthetic; held-out splits avoid
     the first `train_size` train problems)."""
     if spec.startswith("synthetic:"):
@@ -124,17 +127,22 @@ def load_problems(spec: str, split: str, *, size: int = 0, seed: int = 0, levels
         levels = levels or list(range(1, ARITH_LEVELS + 1))
         return synthetic_arith(split, size or train_size, seed, levels, train_size), Counter()
     if spec in BENCHMARKS:
-        spec = str(benchmark_path(spec, DATA_DIR))
+        spec = str(benchmark_path(spec, data_dir))
     rows, skipped = validate_rows(read_records(spec, split), spec, id_field, problem_field, answer_field, skip_bad)
     return (rows[:size] if size else rows), skipped
 
 
 def benchmark_path(name: str, data_dir: Path) -> Path:
-    path = data_dir / BENCHMARKS[name]
+    path = Path(data_dir) / BENCHMARKS[name]
     if not path.is_file():
-        raise SystemExit(f"benchmark {name}: {path} not found (the data sets live in ../shared/data beside the "
-                         "checkout; or give a file path)")
+        where = "the repository's data/" if Path(data_dir) == DATA_DIR else f"--data-dir {data_dir}"
+        raise SystemExit(f"benchmark {name}: {BENCHMARKS[name]} not found in {where}; give a file path instead")
     return path
+
+
+def file_kind(path: Path) -> str:
+    """The FILE_SUFFIXES entry a file name ends with ('.jsonl.gz' before '.gz'), or its plain suffix."""
+    return next((s for s in FILE_SUFFIXES if path.name.endswith(s)), path.suffix)
 
 
 def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
@@ -142,24 +150,29 @@ def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
     JSON Lines are parsed here, line by line, so a broken line is named; parquet and hub data go
     through `datasets`."""
     path = Path(spec)
-    if path.suffix in FILE_SUFFIXES or path.exists():
-        if path.suffix not in FILE_SUFFIXES:
-            raise SystemExit(f"{spec}: unsupported file type {path.suffix or '(none)'}: use "
+    kind = file_kind(path)
+    if kind in FILE_SUFFIXES or path.exists():
+        if kind not in FILE_SUFFIXES:
+            raise SystemExit(f"{spec}: unsupported file type {kind or '(none)'}: use "
                              f"{', '.join(FILE_SUFFIXES)}")
         if not path.is_file():
             raise SystemExit(f"{spec}: file not found")
         if path.stat().st_size == 0:
             raise SystemExit(f"{spec}: the file is empty")
-    if path.suffix == ".csv":
+    if kind == ".csv":
         try:
             with open(path, newline="", encoding="utf-8") as f:
                 reader = csv.DictReader(f)
                 return [(f"line {reader.line_num}", row) for row in reader]
         except (UnicodeDecodeError, csv.Error) as e:
             raise SystemExit(f"{spec}: not a readable UTF-8 CSV file ({e})") from None
-    if path.suffix == ".jsonl":
+    if kind in (".jsonl", ".jsonl.gz"):
+        try:
+            raw_bytes = gzip.decompress(path.read_bytes()) if kind == ".jsonl.gz" else path.read_bytes()
+        except (OSError, EOFError) as e:
+            raise SystemExit(f"{spec}: not a readable gzip file ({e})") from None
         records = []
-        for line_no, raw in enumerate(path.read_bytes().splitlines(), 1):
+        for line_no, raw in enumerate(raw_bytes.splitlines(), 1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -174,7 +187,7 @@ def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
                 raise SystemExit(f"{spec}: line {line_no} is not a JSON object")
             records.append((f"line {line_no}", record))
         return records
-    if path.suffix == ".json":
+    if kind == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -184,10 +197,10 @@ def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
         return [(f"item {i}", r) for i, r in enumerate(data)]
     from datasets import load_dataset
 
-    if path.suffix != ".parquet":
+    if kind != ".parquet":
         hub.require(spec, "dataset", "--dataset", "README.md")
     try:
-        table = (load_dataset("parquet", data_files=str(path), split="train") if path.suffix == ".parquet"
+        table = (load_dataset("parquet", data_files=str(path), split="train") if kind == ".parquet"
                  else load_dataset(spec, split=split))
     except Exception as e:  # noqa: BLE001 - any load failure of user data becomes one clear message
         raise SystemExit(f"{spec}: cannot be loaded: {type(e).__name__}: {e}") from None

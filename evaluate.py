@@ -36,7 +36,7 @@ from pool import EmbeddingIndex, ExperiencePool
 SHARED = ("model", "seed", "levels", "synthetic_size", "max_new_tokens", "top_p", "one_shot", "gen_batch",
           "attempt_tokens", "reflect_mode", "reflect_attempts", "reflect_source", "inter_mode", "inter_candidates",
           "relevance_threshold", "relevance_text", "abstract_max_tokens", "retriever", "pool_per_problem",
-          "pool_max_problems", "share_prefill", "cpu_rows_first_matmul")
+          "pool_max_problems", "data_dir", "share_prefill", "cpu_rows_first_matmul")
 
 
 def compare(a_dir: str, b_dir: str) -> str:
@@ -146,7 +146,6 @@ def main(argv: list[str] | None = None) -> dict:
                     help=f"names {sorted(data.BENCHMARKS)}, file paths, synthetic:arith or hub:<id>")
     ap.add_argument("--mode", nargs="+", default=["zero-shot"], choices=scoring.MODES, help="evaluation modes")
     ap.add_argument("--pool", default="", help="training pool.jsonl for --mode abstract (never test answers)")
-    ap.add_argument("--data-dir", default=str(data.DATA_DIR), help="where benchmark names are looked up")
     ap.add_argument("--split", default="test", help="split of hub datasets")
     ap.add_argument("--limit", type=int, default=0, help="seeded random subset of N problems per benchmark (0 = all)")
     ap.add_argument("--samples", type=int, default=1, help="k: responses per problem")
@@ -187,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
         pool.load(args.pool)  # checked now; under --retriever policy it is indexed again once the model is here
     # every benchmark is loaded and checked before the model is
     levels = lanpo.parse_levels(args.levels)
-    benchmarks = {Path(name).name: load_benchmark(name, Path(args.data_dir), args.limit, args.seed, args.split, levels,
+    data_dir = Path(args.data_dir) if args.data_dir else data.DATA_DIR
+    benchmarks = {Path(name).name: load_benchmark(name, data_dir, args.limit, args.seed, args.split, levels,
                                                   args.synthetic_size)
                   for name in args.benchmarks}  # a file path is shown by its file name
     models.check_available(args.model)

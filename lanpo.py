@@ -2,7 +2,7 @@
 lessons from similar problems) guiding exploration. One readable script: config, setup, the loop.
 
     python lanpo.py                                # embedded SmolLM2-135M on built-in arithmetic, CPU
-    accelerate launch lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl ...
+    accelerate launch lanpo.py --model Qwen2.5-7B --dataset math_train --eval-dataset math500 ...
 
 Read top to bottom: Config and its checks -> the steps of the algorithm -> the policy update (micro-batches,
 loss terms) -> setup() (data, model, optimizer, pool) -> train(), whose loop is the step: pick problems, build
@@ -69,7 +69,11 @@ class Config:
     lora_alpha: int = _f(32, "LoRA alpha")
     lora_targets: str = _f("all-linear", "LoRA target modules: all-linear or comma-separated names")
     # --- data
-    dataset: str = _f("synthetic:arith", "synthetic:arith (built-in), a .jsonl/.json/.parquet file, or a hub dataset")
+    dataset: str = _f("synthetic:arith", "synthetic:arith (built-in); a benchmark name shipped in data/ (math_train, "
+                      "gsm8k_train, math500, aime24, aime25, amc23, gsm8k, math); a .jsonl/.jsonl.gz/.json/.csv/"
+                      ".parquet file; or a hub dataset")
+    data_dir: str = _f("", "folder the benchmark names are read from (a local mirror with data/'s file names); "
+                       "empty = the repository's data/")
     split: str = _f("train", "split of a hub dataset (and of synthetic:arith)")
     levels: str = _f("1-3", "synthetic:arith difficulty levels, e.g. 1-3 or 1,2,5 (1 easiest, 6 hardest)")
     train_size: int = _f(0, "keep the first N rows of a dataset file or hub split (0 = all)")
@@ -859,6 +863,7 @@ def load_rows(cfg: Config) -> tuple[list[dict], list[dict], collections.Counter]
     levels = parse_levels(cfg.levels)
     train_size = cfg.synthetic_size if cfg.dataset.startswith("synthetic:") else cfg.train_size
     fields = {"id_field": cfg.id_field, "problem_field": cfg.problem_field, "answer_field": cfg.answer_field}
+    fields["data_dir"] = Path(cfg.data_dir) if cfg.data_dir else data.DATA_DIR
     train_rows, skipped = data.load_problems(cfg.dataset, cfg.split, size=train_size, seed=cfg.seed, levels=levels,
                                              skip_bad=cfg.skip_bad_rows, **fields)
     eval_spec = cfg.eval_dataset or (cfg.dataset if cfg.dataset.startswith("synthetic:") else "")

@@ -48,26 +48,26 @@ case "$recipe" in
     ruff check . ;;
   grpo-7b)  # Qwen2.5-7B, plain GRPO on MATH train, eval on MATH-500; 8 GPUs, ZeRO-3 (see configs/)
     need_deepspeed
-    accelerate launch --config_file configs/zero3.yaml lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl \
-      --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
+    accelerate launch --config_file configs/zero3.yaml lanpo.py --model Qwen2.5-7B --dataset math_train \
+      --eval-dataset math500 --eval-size 500 --eval-every 50 --no-one-shot \
       --batch-problems 64 --group-size 8 --micro-batch 4 --max-new-tokens 2048 --lr 1e-6 \
       --gradient-checkpointing --save-every 50 --steps 500 --skip-bad-rows --out-dir runs/grpo-7b "$@" ;;
   grpo-14b)
     need_deepspeed
-    accelerate launch --config_file configs/zero3.yaml lanpo.py --model Qwen2.5-14B --dataset ../shared/data/math_train.jsonl \
-      --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
+    accelerate launch --config_file configs/zero3.yaml lanpo.py --model Qwen2.5-14B --dataset math_train \
+      --eval-dataset math500 --eval-size 500 --eval-every 50 --no-one-shot \
       --batch-problems 64 --group-size 8 --micro-batch 2 --gen-batch 32 --max-new-tokens 2048 --lr 5e-7 \
       --gradient-checkpointing --save-every 50 --steps 500 --skip-bad-rows --out-dir runs/grpo-14b "$@" ;;
   lanpo-7b)  # the same budget as grpo-7b, with LANPO's language feedback
     need_deepspeed
-    accelerate launch --config_file configs/zero3.yaml lanpo.py --model Qwen2.5-7B --dataset ../shared/data/math_train.jsonl \
-      --eval-dataset ../shared/data/math500.jsonl --eval-size 500 --eval-every 50 --no-one-shot \
+    accelerate launch --config_file configs/zero3.yaml lanpo.py --model Qwen2.5-7B --dataset math_train \
+      --eval-dataset math500 --eval-size 500 --eval-every 50 --no-one-shot \
       --batch-problems 64 --group-size 8 --micro-batch 4 --max-new-tokens 2048 --lr 1e-6 \
       --gradient-checkpointing --save-every 50 --steps 500 --feedback both --feedback-ratio 0.5 \
       --attempt-tokens 768 --abstract-max-tokens 256 --skip-bad-rows --out-dir runs/lanpo-7b "$@" ;;
   small-gpu)  # one 24 GB GPU: Qwen2.5-1.5B-Instruct with LoRA, gradient checkpointing, short completions
-    python lanpo.py --model Qwen2.5-1.5B-Instruct --dataset ../shared/data/math_train.jsonl \
-      --eval-dataset ../shared/data/math500.jsonl --eval-size 200 --eval-every 25 --no-one-shot \
+    python lanpo.py --model Qwen2.5-1.5B-Instruct --dataset math_train \
+      --eval-dataset math500 --eval-size 200 --eval-every 25 --no-one-shot \
       --lora-rank 32 --lora-alpha 64 --lr 2e-5 --gradient-checkpointing --batch-problems 16 --group-size 8 \
       --micro-batch 4 --gen-batch 32 --max-new-tokens 1024 --attempt-tokens 384 --abstract-max-tokens 192 \
       --save-every 25 --steps 200 --skip-bad-rows --out-dir runs/small-gpu "$@" ;;

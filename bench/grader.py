@@ -1,5 +1,5 @@
 """Grader quality and latency: `math_grader.grade` against math-verify used directly, on a labelled set
-built from real gold answers (../shared/data/math500.jsonl): equivalent rewrites (labels: equal) and
+built from real gold answers (MATH-500, data/math500.jsonl): equivalent rewrites (labels: equal) and
 perturbations (labels: not equal) made by rules whose label is known by construction, plus adversarial
 cases. Prints a table and writes JSON.
 
@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import math_grader  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "data" / "math500.jsonl"
 
 
 def rewrites(gold: str) -> list[tuple[str, bool, str]]:

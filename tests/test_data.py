@@ -4,7 +4,7 @@ import json
 import re
 
 import pytest
-from conftest import SHARED_DATA
+from conftest import ROOT
 
 import data
 
@@ -78,12 +78,52 @@ def test_local_jsonl_loads_and_bad_rows_are_named(tmp_path):
         data.load_problems(str(tmp_path / "missing.jsonl"), "train")
 
 
-def test_shared_math500_loads():
-    path = SHARED_DATA / "math500.jsonl"
-    if not path.exists():
-        pytest.skip(f"{path} not present")
-    rows, _ = data.load_problems(str(path), "train", size=10)
-    assert len(rows) == 10 and rows[0]["id"] == "math500-0001" and rows[2]["answer"] == "\\frac{14}{3}"
+# name -> (rows, sha256 of the JSON Lines, decompressed), as data/README.md lists them
+SHIPPED = {
+    "math500": (500, "cbc8b3342ad0e0b8de80e2baaaed8d4be3a962d75093abf6b700cce50e77c28c"),
+    "aime24": (30, "fac1ff3012305a242b49ff7670ecb9978b0e19c4465dd72e98b03e3ff96b6475"),
+    "aime25": (30, "64afb65c01b9c0a85c0b49057ba4782a2d7703a86b2bde5f2940c7b947c9e81f"),
+    "amc23": (40, "e2fe94c7f08c2bef49b3e8199b06e34004543f6f11ff4b610b668349e66cfe38"),
+    "gsm8k": (1319, "934ffc38527820a4ab8eed09cae1444193554cd8eed394b44c6cdd2e73d97096"),
+    "gsm8k_train": (7473, "32ccaa7555cdf1eed8f03301cbe75c00d3c9b7b993eee149bf73ad2d352853a5"),
+    "math_train": (7500, "5befe15afbf2196c4eec19bed83b2b146e906f9ddc085933617dbea6f79d6366"),
+    "math": (5000, "7f845b91fbfd80ccd0e1f0972ec7e1dae7b5eed57179616c3c4b4b9d7d2f1672"),
+}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_benchmark_ships_in_the_repository_unchanged(name):
+    """Each benchmark name resolves to a file of data/, with the row count and checksum its README gives."""
+    import gzip
+    import hashlib
+
+    path = data.benchmark_path(name, data.DATA_DIR)
+    assert path.parent == ROOT / "data"
+    raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+    assert (len(raw.splitlines()), hashlib.sha256(raw).hexdigest()) == SHIPPED[name]
+    assert path.name in (ROOT / "data" / "README.md").read_text()
+    rows, skipped = data.load_problems(name, "test", skip_bad=True)
+    assert len(rows) + sum(skipped.values()) == SHIPPED[name][0]
+    assert skipped == ({"duplicate_problem": 2} if name == "math_train" else {})  # one in whitespace, one in layout
+    if name == "math500":
+        assert rows[0]["id"] == "math500-0001" and rows[2]["answer"] == "\\frac{14}{3}"
+
+
+def test_a_benchmark_name_reads_another_folder_with_data_dir(tmp_path):
+    (tmp_path / "aime24.jsonl").write_text(json.dumps({"id": "m", "problem": "Mirror?", "answer": "1"}) + "\n")
+    assert data.load_problems("aime24", "test", data_dir=tmp_path)[0] == [{"id": "m", "problem": "Mirror?",
+                                                                            "answer": "1"}]
+    with pytest.raises(SystemExit, match=f"benchmark amc23: amc23.jsonl not found in --data-dir {tmp_path}; give "
+                                         "a file path instead"):
+        data.load_problems("amc23", "test", data_dir=tmp_path)
+
+
+def test_nothing_a_user_runs_or_reads_names_the_development_machines_data_folder():
+    """A clone has no ../shared: README, recipes, scripts, configs and docs use benchmark names."""
+    user_facing = [ROOT / "README.md", ROOT / "run.sh", ROOT / "data" / "README.md", *ROOT.glob("*.py"),
+                   *(ROOT / "bench").glob("*.py"), *(ROOT / "configs").glob("*"), *(ROOT / "docs").glob("*.md")]
+    named = [p.name for p in user_facing if re.search(r"\.\./shared|shared/data", p.read_text(encoding="utf-8"))]
+    assert named == []
 
 
 def test_every_kind_of_bad_row_is_named_or_skipped_and_counted(tmp_path):

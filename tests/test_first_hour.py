@@ -15,7 +15,7 @@ import types
 import pytest
 import safetensors.torch
 import torch
-from conftest import ROOT, SHARED_DATA
+from conftest import ROOT
 from test_reliability import _cmd
 
 import data
@@ -133,7 +133,6 @@ def test_csv_files_load_and_columns_come_from_every_row(tmp_path):
     assert len(rows) == 19 and skipped["empty_or_non_string"] == 1
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "gsm8k_test.jsonl").exists(), reason="needs ../shared/data")
 def test_benchmark_names_work_for_training_too():
     rows, _ = data.load_problems("gsm8k", "train", size=5)
     assert len(rows) == 5 and all(r["answer"] for r in rows)
