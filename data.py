@@ -10,6 +10,7 @@ generator). Rows are validated on load; a bad row is an error that names the fil
 from __future__ import annotations
 
 import csv
+import difflib
 import gzip
 import json
 import random
@@ -118,7 +119,8 @@ def load_problems(spec: str, split: str, *, size: int = 0, seed: int = 0, levels
                   answer_field: str = "answer", skip_bad: bool = False,
                   data_dir: Path = DATA_DIR) -> tuple[list[dict], Counter]:
     """Problems from `spec`: 'synthetic:arith', a benchmark name (its file in `data_dir`), a local file, or a
-    hub dataset name (split = its split), and the count of skipped rows by reason (empty unless `skip_bad`).
+    hub data set (owner/name or hub:<id>; split = its split), and the count of skipped rows by reason (empty
+    unless `skip_bad`).
     size > 0 keeps the first `size` rows (files) or generates that many (synthetic; held-out splits avoid
     the first `train_size` train problems)."""
     if spec.startswith("synthetic:"):
@@ -126,9 +128,18 @@ def load_problems(spec: str, split: str, *, size: int = 0, seed: int = 0, levels
             raise SystemExit(f"--dataset {spec}: the built-in generator is 'synthetic:arith'")
         levels = levels or list(range(1, ARITH_LEVELS + 1))
         return synthetic_arith(split, size or train_size, seed, levels, train_size), Counter()
-    if spec in BENCHMARKS:
-        spec = str(benchmark_path(spec, data_dir))
-    rows, skipped = validate_rows(read_records(spec, split), spec, id_field, problem_field, answer_field, skip_bad)
+    if spec.startswith("hub:"):  # explicitly a hub data set, even where a file or name of that spelling exists
+        records = read_hub(spec[4:], split)
+    else:
+        if spec in BENCHMARKS:
+            spec = str(benchmark_path(spec, data_dir))
+        elif "/" not in spec and file_kind(Path(spec)) not in FILE_SUFFIXES and not Path(spec).exists():
+            close = difflib.get_close_matches(spec, BENCHMARKS, n=1)
+            if close:  # a typo of a name, not a hub data set (those are owner/name, or hub:<id>)
+                raise SystemExit(f"{spec}: no such benchmark; did you mean {close[0]}? (names: "
+                                 f"{', '.join(BENCHMARKS)}; a hub data set is owner/name or hub:<id>)")
+        records = read_records(spec, split)
+    rows, skipped = validate_rows(records, spec, id_field, problem_field, answer_field, skip_bad)
     return (rows[:size] if size else rows), skipped
 
 
@@ -161,7 +172,7 @@ def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
             raise SystemExit(f"{spec}: the file is empty")
     if kind == ".csv":
         try:
-            with open(path, newline="", encoding="utf-8") as f:
+            with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not a column
                 reader = csv.DictReader(f)
                 return [(f"line {reader.line_num}", row) for row in reader]
         except (UnicodeDecodeError, csv.Error) as e:
@@ -172,7 +183,7 @@ def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
         except (OSError, EOFError) as e:
             raise SystemExit(f"{spec}: not a readable gzip file ({e})") from None
         records = []
-        for line_no, raw in enumerate(raw_bytes.splitlines(), 1):
+        for line_no, raw in enumerate(raw_bytes.removeprefix(b"\xef\xbb\xbf").splitlines(), 1):  # BOM
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -189,21 +200,32 @@ def read_records(spec: str, split: str) -> list[tuple[str, dict]]:
         return records
     if kind == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise SystemExit(f"{spec}: not valid UTF-8 JSON ({e})") from None
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise SystemExit(f"{spec}: expected a JSON list of objects")
         return [(f"item {i}", r) for i, r in enumerate(data)]
+    if kind != ".parquet":
+        return read_hub(spec, split)
     from datasets import load_dataset
 
-    if kind != ".parquet":
-        hub.require(spec, "dataset", "--dataset", "README.md")
     try:
-        table = (load_dataset("parquet", data_files=str(path), split="train") if kind == ".parquet"
-                 else load_dataset(spec, split=split))
+        table = load_dataset("parquet", data_files=str(path), split="train")
     except Exception as e:  # noqa: BLE001 - any load failure of user data becomes one clear message
         raise SystemExit(f"{spec}: cannot be loaded: {type(e).__name__}: {e}") from None
+    return [(f"row {i}", r) for i, r in enumerate(table)]
+
+
+def read_hub(dataset_id: str, split: str) -> list[tuple[str, dict]]:
+    """A hub data set's split through `datasets` (cached, or reachable: else one line, see hub.require)."""
+    from datasets import load_dataset
+
+    hub.require(dataset_id, "dataset", "--dataset", "README.md")
+    try:
+        table = load_dataset(dataset_id, split=split)
+    except Exception as e:  # noqa: BLE001 - any load failure of user data becomes one clear message
+        raise SystemExit(f"{dataset_id}: cannot be loaded: {type(e).__name__}: {e}") from None
     return [(f"row {i}", r) for i, r in enumerate(table)]
 
 

@@ -36,7 +36,8 @@ from pool import EmbeddingIndex, ExperiencePool
 SHARED = ("model", "seed", "levels", "synthetic_size", "max_new_tokens", "top_p", "one_shot", "gen_batch",
           "attempt_tokens", "reflect_mode", "reflect_attempts", "reflect_source", "inter_mode", "inter_candidates",
           "relevance_threshold", "relevance_text", "abstract_max_tokens", "retriever", "pool_per_problem",
-          "pool_max_problems", "data_dir", "share_prefill", "cpu_rows_first_matmul")
+          "pool_max_problems", "data_dir", "id_field", "problem_field", "answer_field", "skip_bad_rows",
+          "share_prefill", "cpu_rows_first_matmul")
 
 
 def compare(a_dir: str, b_dir: str) -> str:
@@ -76,22 +77,15 @@ def compare(a_dir: str, b_dir: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ CLI
 
-def load_benchmark(name: str, data_dir: Path, limit: int, seed: int, split: str, levels: list[int],
-                   synthetic_size: int) -> list[dict]:
-    """Rows of a benchmark name (see data.BENCHMARKS), a data file (data.FILE_SUFFIXES), synthetic:arith, or
-    hub:<dataset id>. --limit takes a seeded random subset, so repeated runs see the same problems.
-    synthetic:arith gives the held-out problems of a training run with the same --seed, --levels and
-    --synthetic-size (none shares its arithmetic with that run's training problems)."""
-    if name in data.BENCHMARKS:
-        rows, _ = data.load_problems(str(data.benchmark_path(name, data_dir)), split)
-    elif name.startswith("hub:"):
-        rows, _ = data.load_problems(name[4:], split)
-    elif name.startswith("synthetic:") or Path(name).suffix in data.FILE_SUFFIXES:
-        rows, _ = data.load_problems(name, "test" if name.startswith("synthetic:") else split, size=max(limit, 0),
-                                     seed=seed, levels=levels, train_size=synthetic_size)
-    else:
-        raise SystemExit(f"unknown benchmark {name!r}: use one of {sorted(data.BENCHMARKS)}, a "
-                         f"{'/'.join(data.FILE_SUFFIXES)} path, synthetic:arith, or hub:<dataset>")
+def load_benchmark(name: str, limit: int, seed: int, split: str, levels: list[int], synthetic_size: int,
+                   **fields) -> list[dict]:
+    """Rows of anything lanpo.py's --dataset takes (data.load_problems: a benchmark name, a data file,
+    synthetic:arith, a hub id), read with the same field flags. --limit takes a seeded random subset, so repeated
+    runs see the same problems. synthetic:arith gives the held-out problems of a training run with the same
+    --seed, --levels and --synthetic-size (none shares its arithmetic with that run's training problems)."""
+    synthetic = name.startswith("synthetic:")
+    rows, _ = data.load_problems(name, "test" if synthetic else split, size=max(limit, 0) if synthetic else 0,
+                                 seed=seed, levels=levels, train_size=synthetic_size, **fields)
     if limit and limit < len(rows):
         rows = random.Random(seed).sample(rows, limit)
     if not rows:
@@ -143,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     lanpo.add_flags(ap, SHARED)
     ap.add_argument("--benchmarks", nargs="+", default=["gsm8k", "math500"],
-                    help=f"names {sorted(data.BENCHMARKS)}, file paths, synthetic:arith or hub:<id>")
+                    help=f"anything --dataset takes: names {sorted(data.BENCHMARKS)}, file paths, synthetic:arith, "
+                         "or a hub id (hub:<id> or owner/name)")
     ap.add_argument("--mode", nargs="+", default=["zero-shot"], choices=scoring.MODES, help="evaluation modes")
     ap.add_argument("--pool", default="", help="training pool.jsonl for --mode abstract (never test answers)")
     ap.add_argument("--split", default="test", help="split of hub datasets")
@@ -186,9 +181,10 @@ def main(argv: list[str] | None = None) -> dict:
         pool.load(args.pool)  # checked now; under --retriever policy it is indexed again once the model is here
     # every benchmark is loaded and checked before the model is
     levels = lanpo.parse_levels(args.levels)
-    data_dir = Path(args.data_dir) if args.data_dir else data.DATA_DIR
-    benchmarks = {Path(name).name: load_benchmark(name, data_dir, args.limit, args.seed, args.split, levels,
-                                                  args.synthetic_size)
+    fields = {"data_dir": Path(args.data_dir) if args.data_dir else data.DATA_DIR, "id_field": args.id_field,
+              "problem_field": args.problem_field, "answer_field": args.answer_field, "skip_bad": args.skip_bad_rows}
+    benchmarks = {Path(name).name: load_benchmark(name, args.limit, args.seed, args.split, levels,
+                                                  args.synthetic_size, **fields)
                   for name in args.benchmarks}  # a file path is shown by its file name
     models.check_available(args.model)
 
@@ -222,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
                     f.write(json.dumps({"benchmark": name, "mode": mode, **r}, ensure_ascii=False) + "\n")
                 print(f"{name} [{mode}]: " + ", ".join(
                     f"{k}={stats.fmt(v, summary[k + '_low'], summary[k + '_high'])}" if k + "_low" in summary
-                    else f"{k}={v:.3f}" for k, v in summary.items() if not k.endswith(("_low", "_high"))), flush=True)
+                    else f"{k}={int(v)}" if k == "problems" else f"{k}={v:.3f}"
+                    for k, v in summary.items() if not k.endswith(("_low", "_high"))), flush=True)
     if len(benchmarks) > 1:
         results["overall"] = {mode: overall(per, args.samples) for mode, per in by_mode.items()}
     (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))

@@ -65,6 +65,11 @@ def resolve(name: str) -> tuple[str, dict]:
             raise SystemExit(f"--model {name}: GGUF file not found")
         return str(path.parent), {"gguf_file": path.name}
     if Path(name).is_dir():
+        if (Path(name) / "metrics.jsonl").exists():  # a run directory: its model is final/
+            if not (Path(name) / "final").is_dir():
+                raise SystemExit(f"--model {name}: a run directory whose run has not finished (no final/); give a "
+                                 f"checkpoint under {Path(name) / 'checkpoints'} or wait for final/")
+            return resolve(str(Path(name) / "final"))
         if (Path(name) / "lanpo_state.json").exists() and not (Path(name) / "config.json").exists():
             raise SystemExit(f"--model {name}: a training checkpoint of a LoRA or sharded (ZeRO/FSDP) run holds "
                              "state only --resume reads; evaluate the run's final/ directory instead")
@@ -74,8 +79,10 @@ def resolve(name: str) -> tuple[str, dict]:
         return name, {}
     if name in ALIASES:
         return ALIASES[name], {}
-    if name.count("/") == 1 and not name.startswith((".", "/")):
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).parent.is_dir():
         return name, {}  # a hub id, e.g. Qwen/Qwen2.5-7B
+    if name.startswith((".", "/", "~")) or "/" in name:
+        raise SystemExit(f"--model {name}: no such directory or file")
     raise SystemExit(f"--model {name}: not a known alias ({', '.join(sorted(ALIASES))}), "
                      f"a local directory, a .gguf file, '{EMBEDDED}', or an owner/name hub id")
 

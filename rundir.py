@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from pool import ExperiencePool
@@ -172,6 +173,8 @@ def interrupted(out_dir: Path):
     wherever Ctrl-C landed (a checkpoint cut short is a .tmp dir, never loaded)."""
     def stop(signum, frame):
         saved = checkpoint_dirs(out_dir)
-        raise SystemExit(f"interrupted. Continue from {saved[-1]} with the same command plus --resume" if saved
-                         else "interrupted before the first checkpoint (--save-every N writes them): nothing to resume")
+        print(f"interrupted. Continue from {saved[-1]} with the same command plus --resume" if saved
+              else "interrupted before the first checkpoint (--save-every N writes them): nothing to resume",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)  # 130: the shell's code for a run stopped by Ctrl-C
     return stop

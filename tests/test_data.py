@@ -118,6 +118,19 @@ def test_a_benchmark_name_reads_another_folder_with_data_dir(tmp_path):
         data.load_problems("amc23", "test", data_dir=tmp_path)
 
 
+def test_a_mistyped_name_is_named_and_a_byte_order_mark_is_no_column(tmp_path, monkeypatch):
+    import hub
+
+    monkeypatch.setattr(hub, "require", lambda *a: pytest.fail("a typo must not reach the hub"))
+    with pytest.raises(SystemExit, match=r"math501: no such benchmark; did you mean math500\?"):
+        data.load_problems("math501", "train")
+    for suffix, text in ((".jsonl", '{"problem": "P?", "answer": "1"}\n'), (".csv", "problem,answer\nP?,1\n"),
+                         (".json", '[{"problem": "P?", "answer": 1}]')):
+        path = tmp_path / f"bom{suffix}"
+        path.write_text("\ufeff" + text, encoding="utf-8")
+        assert data.load_problems(str(path), "train")[0] == [{"id": "row-000000", "problem": "P?", "answer": "1"}]
+
+
 def test_nothing_a_user_runs_or_reads_names_the_development_machines_data_folder():
     """A clone has no ../shared: README, recipes, scripts, configs and docs use benchmark names."""
     user_facing = [ROOT / "README.md", ROOT / "run.sh", ROOT / "data" / "README.md", *ROOT.glob("*.py"),

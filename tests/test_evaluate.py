@@ -60,7 +60,7 @@ def _bench(tmp_path, n=6, name="bench.jsonl"):
 def test_reflect_mode_runs_two_turns_and_counts_flips(tiny, monkeypatch, tmp_path):
     monkeypatch.setattr(math_grader, "grade", fake_grade)
     model, tokenizer = tiny
-    rows = evaluate.load_benchmark(str(_bench(tmp_path)), tmp_path, 0, 0, "test", [1, 2, 3], 48)
+    rows = evaluate.load_benchmark(str(_bench(tmp_path)), 0, 0, "test", [1, 2, 3], 48)
     s = scoring.EvalSettings.from_config(lanpo.Config(), samples=3, temperature=1.0, max_new_tokens=6,
                                          attempt_tokens=32)
     records, summary = scoring.evaluate_rows(model, tokenizer, rows, "reflect", s, [2])
@@ -103,7 +103,7 @@ def test_abstract_mode_uses_a_training_pool(tiny_model_dir, tmp_path):
 
 
 def test_bad_input_fails_before_generation(tmp_path):
-    with pytest.raises(SystemExit, match="unknown benchmark 'mathh500'"):
+    with pytest.raises(SystemExit, match="mathh500: no such benchmark; did you mean math500?"):
         evaluate.main(["--model", "no/such-model", "--benchmarks", "mathh500"])
     no_answer = tmp_path / "x.jsonl"
     no_answer.write_text(json.dumps({"problem": "1+1"}) + "\n")
@@ -270,6 +270,27 @@ def test_evaluation_abstracts_with_the_prompt_training_builds(tiny, tiny_model_d
     if "--relevance-text" in flags:
         assert training(*flags).text.count("Related problem") == 2
         assert training(*flags[:-2]).kind == "scratch"
+
+
+def test_evaluation_reads_data_with_training_flags(tmp_path, monkeypatch):
+    """The same data syntax and field flags as lanpo.py (one definition, data.load_problems): custom columns,
+    bad rows skipped, a byte-order mark, hub:<id>."""
+    path = tmp_path / "own.csv"
+    path.write_text("\ufeffqid,question,gold\nq1,What is 1 + 1?,2\nq2,,3\nq3,What is 2 + 2?,4\n", encoding="utf-8")
+    fields = dict(id_field="qid", problem_field="question", answer_field="gold", skip_bad=True)
+    rows = evaluate.load_benchmark(str(path), 0, 0, "test", [1], 48, **fields)
+    assert rows == [{"id": "q1", "problem": "What is 1 + 1?", "answer": "2"},
+                    {"id": "q3", "problem": "What is 2 + 2?", "answer": "4"}]
+    import data
+
+    asked = []
+    monkeypatch.setattr(data, "read_hub", lambda dataset_id, split: asked.append((dataset_id, split)) or [
+        ("row 0", {"id": "h", "problem": "P?", "answer": "1"})])
+    assert evaluate.load_benchmark("hub:math500", 0, 0, "test", [1], 48)[0]["id"] == "h"  # hub even for a name
+    assert asked == [("math500", "test")]
+    args = ["--model", "no/such-model", "--benchmarks", str(path), "--problem-field", "question"]
+    with pytest.raises(SystemExit, match="no column 'answer'"):  # the flags reach the loader
+        evaluate.main(args)
 
 
 def test_evaluation_refuses_what_it_cannot_honour(tmp_path):

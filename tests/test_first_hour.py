@@ -200,6 +200,29 @@ def test_report_to_wandb_problems_come_before_the_model(no_model, monkeypatch, t
     assert not (tmp_path / "run").exists()
 
 
+def test_model_paths_that_are_no_model_are_named_or_followed(tiny_model_dir, tmp_path, monkeypatch):
+    """A run directory as --model loads its final/ (it holds the run's own config.json, which is no model's),
+    an unfinished one says where the weights are; a missing path says so instead of 'not a known alias'."""
+    import shutil
+
+    import models
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "config.json").write_text('{"dtype": "auto", "feedback": "both"}')
+    with pytest.raises(SystemExit, match=f"--model {run}: a run directory whose run has not finished"):
+        models.resolve(str(run))
+    shutil.copytree(tiny_model_dir, run / "final")
+    assert models.resolve(str(run)) == (str(run / "final"), {})
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)  # runs/ is here: runs/no-such-run is a mistyped path, not a hub id
+    for missing in ("/no/such/dir", "./nope", "runs/no-such-run"):
+        with pytest.raises(SystemExit, match=f"--model {missing}: no such directory or file"):
+            models.resolve(missing)
+    assert models.resolve("Qwen/Qwen2.5-7B") == ("Qwen/Qwen2.5-7B", {})  # an owner/name hub id
+
+
 def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(_cmd(tiny_model_dir, out, "--slow", "--steps", "50"), stdout=subprocess.DEVNULL,
@@ -209,7 +232,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tiny_model_dir, tmp_path):
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]  # the shell's code for Ctrl-C
     assert "interrupted. Continue from" in err and "with the same command plus --resume" in err
 
 
