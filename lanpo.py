@@ -921,7 +921,12 @@ def setup(cfg: Config) -> Run:
     train_rows = drop_long_prompts(train_rows, tokenizer, cfg, skipped)
     if skipped:
         accelerator.print(f"skipped {sum(skipped.values())} bad rows of {cfg.dataset}: {dict(skipped)}")
-    out_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run may write
+    if resume_from is None and rundir.unstarted_run(out_dir):
+        accelerator.print(f"{out_dir} holds a run that stopped before its first checkpoint (nothing to resume): "
+                          "starting it again in its place")
+    if accelerator.is_main_process:
+        rundir.claim(out_dir)  # every check passed: the run may write, and no other run may
+    out_dir.mkdir(parents=True, exist_ok=True)
     previous_sigint = (signal.signal(signal.SIGINT, rundir.interrupted(out_dir))
                        if threading.current_thread() is threading.main_thread() else None)  # only it may
     model = models.load_policy(cfg.model, dtype, cfg.gradient_checkpointing, cfg.lora_rank, cfg.lora_alpha,
@@ -950,8 +955,11 @@ def setup(cfg: Config) -> Run:
         start_step = json.loads((resume_from / "lanpo_state.json").read_text())["step"]
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     if accelerator.is_main_process:
-        rundir.truncate_metrics(out_dir / "metrics.jsonl", start_step)
-        rundir.truncate_metrics(out_dir / "heldout.jsonl", start_step)
+        for name in ("metrics.jsonl", "heldout.jsonl"):
+            if start_step:
+                rundir.truncate_metrics(out_dir / name, start_step)
+            else:  # a new run, or one that stopped before its first checkpoint started again in its place
+                (out_dir / name).unlink(missing_ok=True)
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     wandb_run = rundir.start_wandb(cfg, accelerator)
     math_grader.warm_up()
@@ -1086,7 +1094,10 @@ def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: 
 
 def main(cfg: Config) -> ExperiencePool:
     """Train; returns this process's experience pool (the same on every process)."""
-    return train(setup(cfg))
+    try:
+        return train(setup(cfg))
+    finally:  # the run directory is free again, also for another run in this process
+        rundir.release(Path(cfg.out_dir))
 
 
 def train(run: Run) -> ExperiencePool:

@@ -1,15 +1,18 @@
-"""The run directory: what is in it decides whether a run may start (a used --out-dir is refused; --resume
-must not change the training), checkpoints written atomically, metrics and held-out lines appended one at
+"""The run directory: one run at a time (a lock file), what is in it decides whether a run may start (a used
+--out-dir is refused; a run that stopped before its first checkpoint is started again; --resume must not
+change the training), checkpoints written atomically, metrics and held-out lines appended one at
 a time and cut back on resume, wandb started or explained, and Ctrl-C turned into a line naming what to
 resume from. Nothing already written is lost.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -88,13 +91,79 @@ RESUMABLE = ("resume", "out_dir", "steps", "save_every", "keep_last", "final_che
              "share_prefill", "share_prompt_forward")  # the same sampling and gradient, another float order
 
 
+LOCK = "run.lock"  # {"pid", "host"} of the process whose run writes the directory
+
+
+def lock_holder(out_dir: Path) -> str | None:
+    """Who holds the directory's lock ("pid 123 on host"), or None when nobody does: no lock, or one left by a
+    process of this host that is gone (killed). A lock of another host, or one being written, counts as held."""
+    try:
+        holder = json.loads((out_dir / LOCK).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError):
+        return "a process that is writing its lock"
+    if holder.get("host") == socket.gethostname():
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return None  # stale: that process died without removing its lock
+        except PermissionError:
+            pass  # alive, another user's
+    return f"pid {holder.get('pid')} on {holder.get('host')}"
+
+
+def claim(out_dir: Path) -> None:
+    """Make this process the directory's only writer (creating it): the lock is created exclusively, so of two
+    runs started together one wins and the other stops with a line naming the winner; it is removed when this
+    process exits. A stale lock (see lock_holder) is taken over."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK
+    if path.exists() and lock_holder(out_dir) is None:
+        path.unlink(missing_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        raise SystemExit(f"{out_dir} is in use by another run ({lock_holder(out_dir)}): choose another --out-dir, "
+                         f"or wait for it to end (its lock: {path})") from None
+    with os.fdopen(fd, "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+    atexit.register(release, out_dir)  # however the process ends, short of a kill
+
+
+def release(out_dir: Path) -> None:
+    """Remove the directory's lock if this process holds it (a forked child runs its parent's exit handlers
+    too, and a second run in this process may hold it by now)."""
+    try:
+        mine = json.loads((out_dir / LOCK).read_text()) == {"pid": os.getpid(), "host": socket.gethostname()}
+    except (OSError, json.JSONDecodeError):
+        return
+    if mine:
+        (out_dir / LOCK).unlink(missing_ok=True)
+
+
+def unstarted_run(out_dir: Path) -> bool:
+    """What a run leaves when it stops before its first checkpoint: its files, but nothing to resume from and
+    no final model (and nobody running it)."""
+    left = any((out_dir / name).exists() for name in ("config.json", "metrics.jsonl", "heldout.jsonl"))
+    return left and not checkpoint_dirs(out_dir) and not (out_dir / "final").exists()
+
+
 def check_out_dir(cfg, out_dir: Path) -> Path | None:
     """The checkpoint to resume from (None: a new run), or an error before anything is written: --out-dir
-    is a file; it holds a run but --resume is missing; --resume finds no checkpoint there; or --resume with
-    settings that differ from the run's config.json and would change its training (each one named)."""
+    is a file; another run is writing it; it holds a run but --resume is missing; --resume finds no
+    checkpoint there; or --resume with settings that differ from the run's config.json and would change its
+    training (each one named). A run that stopped before its first checkpoint is started again (said here;
+    its files are replaced once the run may write)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise SystemExit(f"--out-dir {out_dir} is a file, not a directory: choose another --out-dir")
+    holder = lock_holder(out_dir)
+    if holder is not None:
+        raise SystemExit(f"{out_dir} is in use by another run ({holder}): choose another --out-dir, or wait for it "
+                         f"to end (its lock: {out_dir / LOCK}); nothing there was changed")
     found = checkpoint_dirs(out_dir)
+    if unstarted_run(out_dir):
+        return None
     if not cfg.resume:
         if (out_dir / "metrics.jsonl").exists() or (out_dir / "heldout.jsonl").exists() or found:
             raise SystemExit(f"{out_dir} already holds a run (metrics.jsonl, heldout.jsonl or checkpoints): pass "
@@ -174,7 +243,8 @@ def interrupted(out_dir: Path):
     def stop(signum, frame):
         saved = checkpoint_dirs(out_dir)
         print(f"interrupted. Continue from {saved[-1]} with the same command plus --resume" if saved
-              else "interrupted before the first checkpoint (--save-every N writes them): nothing to resume",
+              else "interrupted before the first checkpoint (--save-every N writes them): nothing to resume; the "
+                   "same command starts the run again in its place",
               file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)  # 130: the shell's code for a run stopped by Ctrl-C
     return stop

@@ -206,3 +206,44 @@ def test_pool_and_prompts_take_any_text(tmp_path, tiny):
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     for p in built:
         assert tokenizer(p.text, add_special_tokens=False).input_ids.count(start) == 4  # 2 shot turns, user, assistant
+
+
+def test_two_runs_started_together_into_one_directory_one_trains_the_other_refuses(tiny_model_dir, tmp_path):
+    """Both pass the used-directory check (nothing is written yet); the exclusive lock decides. The loser
+    stops in one line naming the winner's process, and the winner's files are its own alone."""
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = {seed: subprocess.Popen(_cmd(tiny_model_dir, out, "--seed", str(seed), "--steps", "3"), env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)}
+    done = {seed: (p.wait(timeout=300), p.stderr.read()) for seed, p in procs.items()}
+    winners = [seed for seed, (code, _) in done.items() if code == 0]
+    assert len(winners) == 1, done
+    loser_err = done[3 - winners[0]][1].strip().splitlines()
+    assert "is in use by another run (pid " in loser_err[-1] and "Traceback" not in "\n".join(loser_err)
+    assert json.loads((out / "config.json").read_text())["seed"] == winners[0]
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
+    assert not (out / "run.lock").exists()  # released at the end of the run
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill"])
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_the_same_command(tiny_model_dir, tmp_path,
+                                                                                      sig):
+    """No dead end: its leftovers (config, metrics lines, a stale lock after SIGKILL) are recognised as a run
+    with nothing to resume and replaced; the rerun equals a run that was never interrupted."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = ["--save-every", "0", "--no-final-checkpoint", "--steps", "4"]
+    subprocess.run(_cmd(tiny_model_dir, tmp_path / "whole", *first), check=True, env=env, capture_output=True)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(tiny_model_dir, out, "--slow", *first), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while len(_metrics(out) if (out / "metrics.jsonl").exists() else []) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    assert (out / "config.json").exists() and not (out / "checkpoints").exists()
+    assert (out / "run.lock").exists() == (sig == signal.SIGKILL)  # Ctrl-C releases it, a kill cannot
+    again = subprocess.run(_cmd(tiny_model_dir, out, *first), env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "stopped before its first checkpoint (nothing to resume): starting it again" in again.stdout
+    assert _metrics(out) == _metrics(tmp_path / "whole")
