@@ -76,9 +76,10 @@ def main() -> None:
     copy_repository(work)
     (work / "mutation_unit_only.py").write_text(UNIT_ONLY)
     others = sorted({p.name for p in ROOT.glob("*.py")} - set(args.modules))
+    copied = [*others, "configs/", "bench/", "pytest.ini", "mutation_unit_only.py"]
     (work / "setup.cfg").write_text(
         "[mutmut]\nsource_paths =\n    " + "\n    ".join(args.modules) + "\n"
-        "also_copy =\n    " + "\n    ".join([*others, "configs/", "bench/", "mutation_unit_only.py"]) + "\n"
+        "also_copy =\n    " + "\n    ".join(copied) + "\n"
         "pytest_add_cli_args =\n    -p\n    mutation_unit_only\n    -q\n"
         "pytest_add_cli_args_test_selection =\n    " + "\n    ".join(TESTS) + "\n")
     done = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=work)
