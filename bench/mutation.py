@@ -41,14 +41,16 @@ def pytest_collection_modifyitems(config, items):
 '''
 
 
-def copy_repository(work: Path) -> None:
-    """The tracked files of the checkout, as they are now, into `work` (mutmut's own files there are kept)."""
+def copy_repository(work: Path) -> list[str]:
+    """The tracked files of the checkout, as they are now, into `work` (mutmut's own files there are kept);
+    returns the top-level names they are under."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
     for name in files:
         if (ROOT / name).is_file():
             (work / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, work / name)
+    return sorted({name.split("/")[0] + ("/" if "/" in name else "") for name in files})
 
 
 def verdicts(work: Path, modules: list[str]) -> dict[str, Counter]:
@@ -73,14 +75,15 @@ def main() -> None:
 
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    copy_repository(work)
+    top = copy_repository(work)
     (work / "mutation_unit_only.py").write_text(UNIT_ONLY)
-    others = sorted({p.name for p in ROOT.glob("*.py")} - set(args.modules))
-    copied = [*others, "configs/", "bench/", "pytest.ini", "mutation_unit_only.py"]
+    # mutmut runs the tests in mutants/: everything else of the repository goes there as it is
+    copied = [name for name in top if name not in args.modules and name != "tests/"] + ["mutation_unit_only.py"]
     (work / "setup.cfg").write_text(
         "[mutmut]\nsource_paths =\n    " + "\n    ".join(args.modules) + "\n"
         "also_copy =\n    " + "\n    ".join(copied) + "\n"
-        "pytest_add_cli_args =\n    -p\n    mutation_unit_only\n    -q\n"
+        # the malloc test counts page faults of a child process, which mutmut's instrumented run inflates
+        "pytest_add_cli_args =\n    -p\n    mutation_unit_only\n    -q\n    -k\n    not faulting_it_back\n"
         "pytest_add_cli_args_test_selection =\n    " + "\n    ".join(TESTS) + "\n")
     done = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=work)
     if done.returncode:
