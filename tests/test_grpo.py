@@ -24,6 +24,9 @@ def test_group_advantages_by_hand():
                           torch.tensor([0.5, -0.5, -0.5, 0.5]) / (batch_std + grpo.ADV_EPS))
     assert torch.equal(grpo.group_advantages(r, 4), adv)  # the default scale is the group's std
     assert torch.equal(grpo.group_advantages(r, 1), torch.zeros(8))  # a group of one: no spread, no NaN
+    pairs = grpo.group_advantages(torch.tensor([1.0, 0.0]), 2)  # G = 2: sample std of (1, 0) is 1/sqrt(2)
+    half = 0.5 / (math.sqrt(0.5) + grpo.ADV_EPS)
+    assert pairs.tolist() == pytest.approx([half, -half])
     with pytest.raises(ValueError, match=r"1-D with a multiple of group_size=3 items, got shape \(8,\)"):
         grpo.group_advantages(r, 3)
     with pytest.raises(ValueError, match="scale must be 'group', 'batch' or 'none', got 'std'"):

@@ -102,6 +102,8 @@ def test_embedding_index_ranks_by_cosine():
     assert all(v.dtype == np.float64 for v in pool.index.vectors.values())
     pool.add([trial("d", "d")])  # evicts a, the least recently tried
     assert sorted(pool.index.vectors) == ["b", "c", "d"] and len(pool) == 3
+    pool.index.remove("never-added")  # removing what is not there is nothing
+    assert sorted(pool.index.vectors) == ["b", "c", "d"]
 
 
 def test_tfidf_forgets_a_removed_document_and_ignores_an_unknown_one():
