@@ -457,8 +457,8 @@ def update_batch(tokenizer, r: Rollouts, group_problems: list[dict], lessons: di
     # data-parallel training averages the processes' gradients.
     total, most = distributed.totals({
         "seqs": sum(in_loss), "tokens": sum(len(c.completion_ids) for c, kept in zip(train_on, in_loss) if kept),
-        "teacher_tokens": sum(len(c.completion_ids) for c, t, kept in zip(train_on, teachers or [None] * len(train_on),
-                                                                          in_loss) if t is not None and kept),
+        "teacher_tokens": sum(len(t.completion_ids) for t, kept in zip(teachers or [], in_loss)
+                              if t is not None and kept),
         "feedback_tokens": sum(len(c.completion_ids) for c in texts), "feedback_texts": len(texts)})
     window = {name: total[name] / world for name in ("seqs", "tokens", "teacher_tokens", "feedback_tokens")}
     if not window["teacher_tokens"]:
@@ -767,7 +767,7 @@ def truncation_summary(out_dir: Path) -> str:
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     parts = []
     for kind in pool_lib.KINDS:
-        counted = [(r[f"{kind}/count"], r[f"{kind}/truncated"]) for r in records if r.get(f"{kind}/count")]
+        counted = [(r[f"{kind}/count"], r[f"{kind}/truncated"]) for r in records if f"{kind}/truncated" in r]
         n = sum(c for c, _ in counted)
         if n:
             parts.append(f"{kind} {sum(c * t for c, t in counted) / n:.0%} of {int(n)}")
