@@ -926,6 +926,9 @@ def setup(cfg: Config) -> Run:
                           "starting it again in its place")
     if accelerator.is_main_process:
         rundir.claim(out_dir)  # every check passed: the run may write, and no other run may
+        # a run that claimed and finished while this one loaded its data left what the first check did not see
+        if rundir.check_out_dir(cfg, out_dir) != resume_from:
+            raise SystemExit(f"{out_dir} changed while this run started (another run wrote it): nothing was changed")
     out_dir.mkdir(parents=True, exist_ok=True)
     previous_sigint = (signal.signal(signal.SIGINT, rundir.interrupted(out_dir))
                        if threading.current_thread() is threading.main_thread() else None)  # only it may

@@ -95,14 +95,17 @@ LOCK = "run.lock"  # {"pid", "host"} of the process whose run writes the directo
 
 
 def lock_holder(out_dir: Path) -> str | None:
-    """Who holds the directory's lock ("pid 123 on host"), or None when nobody does: no lock, or one left by a
-    process of this host that is gone (killed). A lock of another host, or one being written, counts as held."""
+    """Who else holds the directory's lock ("pid 123 on host"), or None when nobody does: no lock, this
+    process's own, or one left by a process of this host that is gone (killed). A lock of another host, or one
+    being written, counts as held."""
     try:
         holder = json.loads((out_dir / LOCK).read_text())
     except FileNotFoundError:
         return None
     except (OSError, json.JSONDecodeError):
         return "a process that is writing its lock"
+    if holder == {"pid": os.getpid(), "host": socket.gethostname()}:
+        return None
     if holder.get("host") == socket.gethostname():
         try:
             os.kill(holder["pid"], 0)
@@ -119,7 +122,7 @@ def claim(out_dir: Path) -> None:
     process exits. A stale lock (see lock_holder) is taken over."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK
-    if path.exists() and lock_holder(out_dir) is None:
+    if path.exists() and lock_holder(out_dir) is None:  # stale (this process holds no lock yet)
         path.unlink(missing_ok=True)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
