@@ -85,12 +85,12 @@ def synthetic_arith(split: str, size: int, seed: int, levels: list[int], train_s
     if split != "train":
         train_contents = {row["content"] for row in synthetic_arith("train", train_size, seed, levels)}
     rng = random.Random(f"arith-{split}-{seed}")
-    rows, seen, open_levels = [], set(), list(levels)
+    rows, seen, open_levels = [], set(train_contents), list(levels)  # unseen in training, and not yet here
     while len(rows) < size:
         level = rng.choice(open_levels)  # drawn first, so held-out splits keep the level mix of the train split
         for _ in range(1000):
             problem, answer, arithmetic = _arith_problem(rng, level)
-            if arithmetic not in train_contents and arithmetic not in seen:
+            if arithmetic not in seen:
                 seen.add(arithmetic)
                 rows.append({"id": f"arith-{split}-{len(rows):05d}", "problem": problem, "answer": str(answer),
                              "level": level, "content": arithmetic})
