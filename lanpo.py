@@ -1189,6 +1189,10 @@ def finish(run: Run) -> None:
         run.accelerator.print(f"done: metrics in {run.out_dir / 'metrics.jsonl'}, model in {final}")
     if run.wandb is not None:
         run.wandb.finish()
+    # every process leaves together and closes its process group: a rank exiting while gloo's threads still run
+    # aborts ("terminate called without an active exception") after the run has finished its work
+    run.accelerator.wait_for_everyone()
+    run.accelerator.end_training()
     if run.previous_sigint is not None:
         signal.signal(signal.SIGINT, run.previous_sigint)
 
