@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import prompts
 from grpo import cache_kwarg, position_ids
 from math_grader import extract_answer
 from pool import ExperiencePool, Trial
@@ -35,7 +36,8 @@ def best_trial(trials: list[Trial]) -> Trial:
 @torch.no_grad()
 def relevance_scores(model, tokenizer, pairs: list[str], owners: list[int] | None = None, batch_size: int = 16,
                      share_prefix: bool = False) -> list[float]:
-    """P(Yes) / (P(Yes) + P(No)) for the first token of the assistant's answer to each relevance request.
+    """P(Yes) / (P(Yes) + P(No)) for the first token of the assistant's answer to each relevance request (the
+    two words are prompts.RELEVANCE_ANSWERS, their ids this tokenizer's first token of each).
     The full-vocabulary P(Yes) of a small model is tiny even when it prefers Yes; normalising over the two
     answers makes gamma mean the same thing for every model (0.9 = nine-to-one odds for Yes).
 
@@ -44,8 +46,7 @@ def relevance_scores(model, tokenizer, pairs: list[str], owners: list[int] | Non
     (`shared_prefill`: the start all pairs of a batch share once, then each problem's rest) and its pairs'
     candidates attend to that KV cache. The same scores up to float rounding; a batch keeps a problem's pairs
     together where it can."""
-    yes_id = tokenizer.encode("Yes", add_special_tokens=False)[0]
-    no_id = tokenizer.encode("No", add_special_tokens=False)[0]
+    yes_id, no_id = (tokenizer.encode(word, add_special_tokens=False)[0] for word in prompts.RELEVANCE_ANSWERS)
     # no worked example: it teaches the \boxed format of math answers, not Yes/No judgements
     texts = [render_prompt(tokenizer, p, one_shot=False) for p in pairs]
     was_training = model.training

@@ -10,7 +10,8 @@ fields, with the same names, help and defaults: one definition. Evaluation's own
     python evaluate.py --compare runs/eval/grpo runs/eval/lanpo   # A - B on the same problems, paired bootstrap
 
 Outputs under --out-dir: summary.json, summary.md (every accuracy with its interval) and problems.jsonl
-(prompt, responses, extracted answers, verdicts per problem).
+(prompt, responses, extracted answers, verdicts per problem). Accuracy is the math grader's; with
+--reward module:function each response is also scored by that function (`rewards`, summary `reward`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import abstract
 import data
 import lanpo
 import models
+import reward
 import scoring
 import stats
 from pool import EmbeddingIndex, ExperiencePool
@@ -37,7 +39,7 @@ SHARED = ("model", "seed", "levels", "synthetic_size", "max_new_tokens", "top_p"
           "attempt_tokens", "reflect_mode", "reflect_attempts", "reflect_source", "inter_mode", "inter_candidates",
           "relevance_threshold", "relevance_text", "abstract_max_tokens", "retriever", "pool_per_problem",
           "pool_max_problems", "data_dir", "id_field", "problem_field", "answer_field", "skip_bad_rows",
-          "share_prefill", "cpu_rows_first_matmul")
+          "share_prefill", "cpu_rows_first_matmul", "reward", "reward_timeout")
 
 
 def compare(a_dir: str, b_dir: str) -> str:
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                   args.synthetic_size, **fields)
                   for name in args.benchmarks}  # a file path is shown by its file name
     models.check_available(args.model)
+    rewarder = reward.Rewarder(args.reward, args.reward_timeout) if args.reward != reward.MATH else None
 
     tokenizer = models.load_tokenizer(args.model)
     model = models.load_policy(args.model, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
                 t0 = time.perf_counter()
                 zero_shot = by_mode.get("zero-shot", {}).get(name, (None,))[0]  # reflect's turn 1, already run
                 records, summary = scoring.evaluate_rows(model, tokenizer, rows, mode, settings, eos_ids, pool,
-                                                         zero_shot)
+                                                         zero_shot, rewarder, progress=f"{name} [{mode}]")
                 summary["seconds"] = time.perf_counter() - t0
                 results.setdefault(name, {})[mode] = summary
                 by_mode[mode][name] = (records, summary)
@@ -222,6 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
                     for k, v in summary.items() if not k.endswith(("_low", "_high"))), flush=True)
     if len(benchmarks) > 1:
         results["overall"] = {mode: overall(per, args.samples) for mode, per in by_mode.items()}
+    if rewarder is not None:
+        rewarder.close()
     (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     table = markdown_table(results)
     (out_dir / "summary.md").write_text(table)

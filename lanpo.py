@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -39,6 +40,7 @@ import models
 import pool as pool_lib
 import prompts
 import reflect
+import reward
 import rundir
 import scoring
 import stats
@@ -56,7 +58,9 @@ class Config:
     out_dir: str = _f("runs/default", "where config, metrics.jsonl, checkpoints and the final model go")
     seed: int = _f(0, "seed for data order, sampling and initialisation")
     steps: int = _f(10, "training steps (one step = B problems x G rollouts, then ppo_epochs updates)")
-    resume: bool = _f(False, "continue from the latest checkpoint in out_dir/checkpoints")
+    resume: bool = _f(False, "--resume DIR (or bare --resume: --out-dir) continues the run in DIR from its newest "
+                      "checkpoint with its saved settings (DIR/config.json); flags given are checked against them, "
+                      "and only those that leave its training unchanged may differ (--steps may grow)")
     cpu: bool = _f(False, "run on CPU even with a GPU present; under torchrun each process is a gloo rank")
     # --- model
     model: str = _f(models.EMBEDDED, "hub id, alias (Qwen2.5-7B), local dir, .gguf file, or the embedded "
@@ -84,6 +88,11 @@ class Config:
     answer_field: str = _f("answer", "dataset column with the gold answer")
     skip_bad_rows: bool = _f(False, "drop unusable rows (empty/non-string fields, repeated ids or problems, prompts "
                              "over --max-prompt-tokens) and log how many, instead of stopping with an error")
+    reward: str = _f(reward.MATH, "the numerical reward: 'math' (1 when the final answer equals the gold answer, else "
+                     "0), or module:function, a function f(problem: dict, completion: str) -> float of your own "
+                     "(README, 'Your own reward'); held-out accuracy is always the math grader's")
+    reward_timeout: float = _f(10.0, "seconds a --reward module:function call may take; a slower, raising or "
+                               "non-numeric call scores 0 and is counted (reward_failures)")
     max_prompt_tokens: int = _f(1024, "longest plain prompt allowed for a training problem, in tokens")
     one_shot: bool = _f(True, "show one worked example turn before each problem (teaches \\boxed to small models)")
     # --- evaluation
@@ -205,7 +214,9 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -
             continue
         flag = "--" + f.name.replace("_", "-")
         extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
-        if f.type in ("bool", bool):
+        if f.name == "resume":  # a flag that may name the run's directory
+            parser.add_argument(flag, nargs="?", const=True, default=f.default, metavar="DIR", help=f.metadata["help"])
+        elif f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f.metadata["help"])
         else:
@@ -218,7 +229,16 @@ def parse_config(argv: list[str] | None = None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_flags(parser)
-    cfg = Config(**vars(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    if args.resume:  # the run's saved settings become the defaults: only flags given can differ from them
+        run_dir = args.out_dir if args.resume is True else args.resume
+        if args.resume is not True and args.out_dir not in (parser.get_default("out_dir"), args.resume):
+            raise SystemExit(f"--resume {args.resume} and --out-dir {args.out_dir} name two directories: the run "
+                             "continues where it is, so give one of them")
+        parser.set_defaults(**rundir.saved_settings(Path(run_dir), [f.name for f in dataclasses.fields(Config)]))
+        args = parser.parse_args(argv)
+        args.out_dir, args.resume = str(run_dir), True
+    cfg = Config(**vars(args))
     check_config(cfg)
     return cfg
 
@@ -241,6 +261,8 @@ def check_config(cfg: Config) -> None:
         raise SystemExit(f"--feedback-ratio must be in [0, 1], got {cfg.feedback_ratio}")
     if not 0.0 <= cfg.relevance_threshold <= 1.0:
         raise SystemExit(f"--relevance-threshold must be in [0, 1], got {cfg.relevance_threshold}")
+    if cfg.reward_timeout <= 0:
+        raise SystemExit(f"--reward-timeout must be > 0 seconds, got {cfg.reward_timeout}")
     if cfg.temperature <= 0:
         raise SystemExit("--temperature must be > 0 for sampling (evaluation decodes greedily on its own)")
     for name in ("lr", "beta", "weight_decay", "max_grad_norm", "eps_high", "train_size", "eval_size", "eval_every",
@@ -469,8 +491,8 @@ def update_batch(tokenizer, r: Rollouts, group_problems: list[dict], lessons: di
                        float(total["feedback_texts"]))
 
 
-def grade_all(completions: list[Completion], answers: list[str]) -> torch.Tensor:
-    return torch.tensor(math_grader.grade_batch([c.text for c in completions], answers))
+def grade_all(rewarder: reward.Rewarder, completions: list[Completion], problems: list[dict]) -> torch.Tensor:
+    return torch.tensor(rewarder.scores(problems, [c.text for c in completions]))
 
 
 def step_advantages(kinds: list[str], all_rewards: torch.Tensor, cfg: Config, accelerator) -> torch.Tensor:
@@ -748,8 +770,9 @@ def evaluate_accuracy(run: Run, step: int) -> dict[str, float]:
     settings = scoring.EvalSettings.from_config(run.cfg)
     mine = run.eval_rows[run.accelerator.process_index::run.accelerator.num_processes]
     with run.full_weights():
-        records = scoring.evaluate_rows(run.policy, run.tokenizer, mine, "zero-shot", settings,
-                                        run.eos_ids)[0] if mine else []
+        label = f"held-out eval, step {step}" if run.accelerator.is_main_process else ""
+        records = scoring.evaluate_rows(run.policy, run.tokenizer, mine, "zero-shot", settings, run.eos_ids,
+                                        progress=label)[0] if mine else []
     records = distributed.gather(records)
     summary = scoring.summarize(records, 1)
     out = {"eval_accuracy": summary["avg@1"], "eval_accuracy_low": summary["avg@1_low"],
@@ -848,6 +871,7 @@ class Run:
     out_dir: Path
     wandb: object | None
     previous_sigint: object | None
+    rewarder: reward.Rewarder
 
     def full_weights(self):
         """Context in which the whole weights are on every process (see distributed.gathered_for_generation)."""
@@ -899,6 +923,8 @@ def setup(cfg: Config) -> Run:
     accelerator = Accelerator(cpu=cfg.cpu, step_scheduler_with_optimizer=False, mixed_precision="bf16" if (
         cfg.dtype == "bf16-mixed" or (cfg.dtype == "auto" and on_gpu)) else "no")
     distributed.check_launch(accelerator, cfg)
+    if accelerator.device.type == "cpu":  # DeepSpeed, imported by accelerate when installed, runs on the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # too (said, not guessed with a warning about GPUs)
     if accelerator.device.type == "cpu" and not keep_freed_host_memory():
         accelerator.print("malloc is not glibc's: CPU updates may spend much of their time re-faulting freed memory")
     if cfg.share_prompt_forward and (cfg.gradient_checkpointing or accelerator.is_fsdp2):
@@ -909,6 +935,7 @@ def setup(cfg: Config) -> Run:
     resume_from = rundir.check_out_dir(cfg, out_dir)
     rundir.check_wandb(cfg)
     models.check_available(cfg.model)
+    rewarder = reward.Rewarder(cfg.reward, cfg.reward_timeout)
     set_seed(cfg.seed)
     train_rows, eval_rows, skipped = load_rows(cfg)
 
@@ -972,7 +999,7 @@ def setup(cfg: Config) -> Run:
              else pool_lib.EmbeddingIndex(abstract.hidden_state_embedder(policy, tokenizer)))
     run = Run(cfg, accelerator, model, policy, ref_model, optimizer, scheduler, tokenizer, eos_ids, train_rows,
               eval_rows, ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index), {}, start_step,
-              out_dir, wandb_run, previous_sigint)
+              out_dir, wandb_run, previous_sigint, rewarder)
     if start_step:
         with run.embedding_weights():
             run.pool.load(resume_from / "pool.jsonl")
@@ -1085,6 +1112,8 @@ def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: 
         **timings,
         "grader_timeouts": math_grader.timeouts(),
     }
+    if cfg.reward != reward.MATH:
+        record["reward_failures"] = run.rewarder.failures  # so far in this process's run, as grader_timeouts
     if cfg.self_distill_coef > 0:
         record["self_distill_tokens"] = b.window["teacher_tokens"] * run.accelerator.num_processes
     if cfg.feedback_model_coef > 0:
@@ -1134,7 +1163,7 @@ def train(run: Run) -> ExperiencePool:
         # 3. grade against the gold answers (numerical reward; feedback never changes it)
         t0 = time.perf_counter()
         problems = [p for p in mine for _ in range(cfg.group_size)]
-        rewards = grade_all(completions, [p["answer"] for p in problems])
+        rewards = grade_all(run.rewarder, completions, problems)
         timings["time_grade"] = time.perf_counter() - t0
         all_rewards = torch.tensor(distributed.gather(rewards.tolist()))  # every process's groups, rank order
 
@@ -1180,15 +1209,14 @@ def finish(run: Run) -> None:
     """The final weights as a model directory (gathered from shards under ZeRO-3/FSDP: every process calls it)."""
     state_dict = run.accelerator.get_state_dict(run.model)
     if run.accelerator.is_main_process:
-        final = run.out_dir / "final"
-        run.policy.save_pretrained(final, state_dict=state_dict)
-        run.tokenizer.save_pretrained(final)
+        final = rundir.save_final(run.out_dir, run.cfg.steps, run.policy, run.tokenizer, state_dict)
         run.accelerator.print(truncation_summary(run.out_dir))
         if gain := heldout_gain(run.out_dir):
             run.accelerator.print(gain)
         run.accelerator.print(f"done: metrics in {run.out_dir / 'metrics.jsonl'}, model in {final}")
     if run.wandb is not None:
         run.wandb.finish()
+    run.rewarder.close()
     # every process leaves together and closes its process group: a rank exiting while gloo's threads still run
     # aborts ("terminate called without an active exception") after the run has finished its work
     run.accelerator.wait_for_everyone()

@@ -507,33 +507,35 @@ def _serve() -> None:
         sys.stdout.flush()
 
 
-class _GraderProcess:
-    """One long-lived grader process; killed and restarted when a request outlives its time bound."""
+class TimedProcess:
+    """A long-lived worker process (`python -c code`, which prints "ready" and then answers one JSON request
+    per line with one JSON line) whose requests each have a time bound: one that outlives it is counted, the
+    process killed and restarted on the next request. reward.py runs users' reward functions on these too."""
 
-    def __init__(self) -> None:
+    def __init__(self, code: str, what: str, path: list[str] | None = None) -> None:
+        self.code, self.what, self.path = code, what, path or []
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
         self.timeouts = 0
 
     def _start(self) -> subprocess.Popen:
-        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import math_grader; math_grader._serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
-        )
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([here, *self.path, os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.Popen([sys.executable, "-c", self.code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, cwd=here, env=env)
         ready, _, _ = select.select([proc.stdout], [], [], STARTUP_TIMEOUT_S)
         if not ready or proc.stdout.readline().strip() != "ready":
             proc.kill()
-            raise RuntimeError(f"math_grader: the grader process did not start within {STARTUP_TIMEOUT_S}s "
-                               "(is math-verify installed? `pip install math-verify`)")
+            raise RuntimeError(f"{self.what}: the worker process did not start within {STARTUP_TIMEOUT_S}s")
         return proc
 
-    def ask(self, pred: str, gold: str, timeout: float) -> bool:
+    def ask(self, request: dict, timeout: float) -> dict | None:
+        """The reply, or None when the request outlived `timeout` seconds (or killed the process)."""
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self.proc = self._start()
-            self.proc.stdin.write(json.dumps({"pred": pred, "gold": gold}) + "\n")
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
             line = self.proc.stdout.readline() if ready else ""
@@ -542,14 +544,15 @@ class _GraderProcess:
                 self.proc.kill()
                 self.proc.wait()
                 self.proc = None
-                return False
-            return bool(json.loads(line)["ok"])
+                return None
+            return json.loads(line)
 
 
 # Grader processes, started on first use: a batch's symbolic checks run side by side, so a step's grading
 # takes about its slowest check rather than the sum of them.
 POOL_SIZE = max(2, min(4, os.cpu_count() or 1))
-_POOL = [_GraderProcess() for _ in range(POOL_SIZE)]
+_POOL = [TimedProcess("import math_grader; math_grader._serve()",
+                      "math_grader (is math-verify installed? `pip install math-verify`)") for _ in range(POOL_SIZE)]
 _FREE: queue.Queue = queue.Queue()
 for _process in _POOL:
     _FREE.put(_process)
@@ -558,7 +561,8 @@ for _process in _POOL:
 def _ask(pred: str, gold: str, timeout: float) -> bool:
     process = _FREE.get()
     try:
-        return process.ask(pred, gold, timeout)
+        reply = process.ask({"pred": pred, "gold": gold}, timeout)
+        return reply is not None and bool(reply["ok"])
     finally:
         _FREE.put(process)
 
@@ -571,7 +575,7 @@ def timeouts() -> int:
 def warm_up() -> None:
     """Start the grader processes now (imports take a second or two each) rather than inside a step."""
     with ThreadPoolExecutor(POOL_SIZE) as pool:
-        list(pool.map(lambda p: p.ask("1", "1", TIMEOUT_S), _POOL))
+        list(pool.map(lambda p: p.ask({"pred": "1", "gold": "1"}, TIMEOUT_S), _POOL))
 
 
 def grade(response: str, gold: str, timeout: float = TIMEOUT_S) -> float:

@@ -100,16 +100,22 @@ def leaky_reflection_request(problem: str, attempts: list[str], mode: str, rewar
 
 # ------------------------------------------------------------------------------- inter-sample: abstraction
 
+# the two answers a relevance request asks for; abstract.relevance_scores compares their first tokens
+RELEVANCE_ANSWERS = ("Yes", "No")
+
+
 def relevance_request(problem: str, other_problem: str, other_solution: str | None) -> str:
-    """Asks whether another problem's approach is relevant (answered Yes/No; scored, never generated). With
-    `other_solution` None (--relevance-text problem) the judgement rests on the two problem statements."""
+    """Asks whether another problem's approach is relevant (answered with RELEVANCE_ANSWERS; scored, never
+    generated). With `other_solution` None (--relevance-text problem) the judgement rests on the two problem
+    statements."""
+    yes, no = RELEVANCE_ANSWERS
     if other_solution is None:
         return (f"Problem A: {problem}\n\nProblem B: {other_problem}\n\n"
                 "Is the approach that solves problem B relevant and useful for solving problem A? "
-                "Answer with Yes or No.")
+                f"Answer with {yes} or {no}.")
     return (f"Problem A: {problem}\n\nProblem B: {other_problem}\n\nA solution of problem B:\n{other_solution}\n\n"
             "Is the approach used to solve problem B relevant and useful for solving problem A? "
-            "Answer with Yes or No.")
+            f"Answer with {yes} or {no}.")
 
 
 def principles_request(problem: str, experiences: list[Trial]) -> str:

@@ -70,7 +70,7 @@ class _RowLimits(StoppingCriteria):
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[int], max_new_tokens: int | list[int],
                          temperature: float = 1.0, top_p: float = 1.0, greedy: bool | list[bool] = False,
-                         batch_size: int = 64, share_prefill: bool = True) -> list[Completion]:
+                         batch_size: int = 64, share_prefill: bool = True, progress: str = "") -> list[Completion]:
     """One completion per prompt (repeat a prompt G times for G samples), in batched generate calls of
     `batch_size` prompts, left-padded. Sampling draws from torch's global RNG: seed it for reproducibility.
 
@@ -81,7 +81,11 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
     share_prefill: the prefix all prompts of a call share is encoded once, and so is a prompt repeated within
     the call (the G samples of a group); their KV cache is copied to the rows (`shared_prefill`), instead of
     each row encoding its own copy. The sampled distribution is the same; the logits may differ in the last
-    float bits, as with any change of batch shape."""
+    float bits, as with any change of batch shape.
+
+    progress: a label for a progress bar over the prompts (stderr), advanced after each generate call."""
+    from tqdm.auto import tqdm
+
     n = len(prompts)
     greedy_rows = list(greedy) if isinstance(greedy, (list, tuple)) else [greedy] * n
     limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
@@ -90,6 +94,7 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
     was_training = model.training
     model.eval()
     results: list[Completion] = []
+    bar = tqdm(total=n, desc=progress, unit="prompt", leave=False, disable=not progress)
     for start in range(0, n, batch_size):
         chunk = prompts[start:start + batch_size]
         chunk_greedy, chunk_limits = greedy_rows[start:start + batch_size], limits[start:start + batch_size]
@@ -126,6 +131,8 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
             completion_ids = generated[row, :chunk_limits[row]][mask[0].bool()].cpu()
             results.append(Completion(prompt_ids, completion_ids, bool(truncated[0]),
                                       tokenizer.decode(completion_ids, skip_special_tokens=True)))
+        bar.update(len(chunk))
+    bar.close()
     model.train(was_training)
     return results
 

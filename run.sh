@@ -22,7 +22,26 @@ setup_cpu() {
   fi
 }
 
+use_venv() {
+  # the GPU recipes run in the environment you prepared: the activated one, else the project's .venv
+  if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then
+    # shellcheck disable=SC1091
+    . .venv/bin/activate
+  fi
+}
+
+need_gpus() {  # $1: the GPUs the recipe launches on ("8 GPUs"); stops in one line, before any process starts, without them
+  use_venv
+  local seen
+  seen=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null) || seen=0
+  if [ "$seen" -lt 1 ]; then
+    echo "recipe $recipe runs on $1, and torch sees no GPU here: ./run.sh runs the embedded default on CPU" >&2
+    exit 2
+  fi
+}
+
 need_deepspeed() {
+  need_gpus "8 GPUs"
   python -c "import deepspeed" 2>/dev/null || {
     echo "this recipe runs configs/zero3.yaml, which needs DeepSpeed: pip install -r requirements-gpu.txt" >&2
     exit 2
@@ -37,7 +56,9 @@ case "$recipe" in
     setup_cpu
     if [ -e runs/default ]; then  # keep the previous run: lanpo.py never writes over one
       prev="runs/default.$(date +%Y%m%d-%H%M%S)"
-      mv runs/default "$prev" && echo "previous runs/default moved to $prev"
+      mv runs/default "$prev"
+      echo "previous runs/default moved to $prev ($(du -sh "$prev" | cut -f1)); the $(find runs -maxdepth 1 \
+        -name 'default.*' | wc -l) kept in runs/default.* hold $(du -shc runs/default.* | tail -1 | cut -f1): delete those you are done with"
     fi
     python lanpo.py --out-dir runs/default --lr 2e-5 "$@" ;;
   test)
@@ -66,17 +87,25 @@ case "$recipe" in
       --gradient-checkpointing --save-every 50 --steps 500 --feedback both --feedback-ratio 0.5 \
       --attempt-tokens 768 --abstract-max-tokens 256 --skip-bad-rows --out-dir runs/lanpo-7b "$@" ;;
   small-gpu)  # one 24 GB GPU: Qwen2.5-1.5B-Instruct with LoRA, gradient checkpointing, short completions
+    need_gpus "a GPU"
     python lanpo.py --model Qwen2.5-1.5B-Instruct --dataset math_train \
       --eval-dataset math500 --eval-size 200 --eval-every 25 --no-one-shot \
       --lora-rank 32 --lora-alpha 64 --lr 2e-5 --gradient-checkpointing --batch-problems 16 --group-size 8 \
       --micro-batch 4 --gen-batch 32 --max-new-tokens 1024 --attempt-tokens 384 --abstract-max-tokens 192 \
       --save-every 25 --steps 200 --skip-bad-rows --out-dir runs/small-gpu "$@" ;;
-  ablate)  # the ablation matrix, one run each under runs/ablate/<name>; extra flags go to every run.
-    # CPU by default; LAUNCH="accelerate launch" ./run.sh ablate --model Qwen2.5-1.5B ... on GPUs.
-    # ./run.sh ablate --dry-run lists the runs and their commands without starting any.
-    dry=0
-    if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
+  ablate)  # the ablation matrix, one run each under runs/ablate/<name> (or $ABLATE_DIR/<name>); extra flags go to
+    # every run.
+    # CPU by default (lr 2e-5, the default run's: 2e-6 barely moves the embedded model in ten steps); on GPUs:
+    # LAUNCH="accelerate launch" ./run.sh ablate --model Qwen2.5-1.5B ... An arm that finished is skipped, one
+    # interrupted after a checkpoint resumed, one whose directory holds other settings refused (and left alone).
+    # --dry-run (anywhere) lists the arms, what each would do and its command, and starts nothing.
+    dry=0 args=()
+    for arg in "$@"; do
+      if [ "$arg" = "--dry-run" ]; then dry=1; else args+=("$arg"); fi
+    done
+    set -- ${args[@]+"${args[@]}"}
     launch=${LAUNCH:-python}
+    if [ -n "${LAUNCH:-}" ]; then need_gpus "a GPU"; else setup_cpu; fi
     matrix=$(cat <<'MATRIX'
 grpo            --feedback none
 lanpo           --feedback both
@@ -99,17 +128,30 @@ sd-only         --feedback both --feedback-ratio 0 --self-distill-coef 1
 mask-truncated  --feedback both --mask-truncated
 MATRIX
 )
-    echo "$(echo "$matrix" | wc -l) runs, each into runs/ablate/<name> (extra flags: ${*:-none}):"
-    while read -r name flags; do
-      echo "  $name: $launch lanpo.py --out-dir runs/ablate/$name $flags $*"
-    done <<< "$matrix"
-    [ "$dry" = 1 ] && exit 0
-    [ -n "${LAUNCH:-}" ] || setup_cpu
-    while read -r name flags; do
-      echo "== $name: $flags"
+    root=${ABLATE_DIR:-runs/ablate}
+    echo "$(echo "$matrix" | wc -l) arms, each into $root/<name> (extra flags: ${*:-none}):"
+    # every arm's settings checked and its directory looked at once, before any arm starts
+    plan=$(python -c 'import sys, lanpo, rundir
+for line in sys.stdin.read().splitlines():
+    name, flags = line.split(maxsplit=1)
+    cfg = lanpo.parse_config(["--out-dir", f"{sys.argv[1]}/{name}", "--lr", "2e-5", *flags.split(), *sys.argv[2:]])
+    print(name, rundir.ablation_arm(cfg), sep="\t")' "$root" "$@" <<< "$matrix")
+    failed=()
+    while IFS=$'\t' read -r name action; do
+      flags=$(echo "$matrix" | awk -v n="$name" '$1 == n { $1 = ""; print substr($0, 2) }')
+      dir="$root/$name"
+      case "$action" in
+        new) where=(--out-dir "$dir") ;;
+        resume) where=(--resume "$dir") ;;
+        skip) echo "  $name: finished with these settings, skipped ($dir)"; continue ;;
+        *) echo "  $name: $action"; continue ;;
+      esac
+      echo "  $name ($action): $launch lanpo.py ${where[*]} --lr 2e-5 $flags $*"
+      [ "$dry" = 1 ] && continue
       # shellcheck disable=SC2086
-      $launch lanpo.py --out-dir "runs/ablate/$name" $flags "$@"
-    done <<< "$matrix"
+      $launch lanpo.py "${where[@]}" --lr 2e-5 $flags "$@" </dev/null || failed+=("$name")
+    done <<< "$plan"
+    [ ${#failed[@]} -eq 0 ] || { echo "arms that failed: ${failed[*]} (run ./run.sh ablate again to retry them)" >&2; exit 1; }
     ;;
   *)
     echo "unknown recipe '$recipe'; see the README (default, test, grpo-7b, grpo-14b, lanpo-7b, small-gpu, ablate)" >&2

@@ -8,7 +8,9 @@ resume from. Nothing already written is lost.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import filecmp
 import json
 import os
 import shutil
@@ -55,6 +57,25 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int, pool:
         raise SystemExit(f"cannot write checkpoint {tmp}: {e.strerror or e}. Earlier checkpoints are intact: "
                          f"{earlier or 'none'}") from None
     accelerator.wait_for_everyone()
+    return final
+
+
+def save_final(out_dir: Path, step: int, policy, tokenizer, state_dict) -> Path:
+    """out_dir/final: the weights (in the dtype they were trained in), config and tokenizer as a model
+    directory. Written beside and then swapped in, so a new final never writes into the file of an old one;
+    where the checkpoint of the same step holds the same weights file byte for byte, final/ hard-links it
+    instead of keeping a second copy (a default run: 540 of 2,150 MB)."""
+    final, tmp = out_dir / "final", out_dir / "final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
+    weights, saved = tmp / "model.safetensors", out_dir / "checkpoints" / f"step-{step:06d}" / "model.safetensors"
+    if weights.exists() and saved.exists() and filecmp.cmp(weights, saved, shallow=False):
+        with contextlib.suppress(OSError):  # a file system without hard links keeps the copy
+            os.link(saved, weights.with_suffix(".link"))
+            os.replace(weights.with_suffix(".link"), weights)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
     return final
 
 
@@ -152,6 +173,24 @@ def unstarted_run(out_dir: Path) -> bool:
     return left and not checkpoint_dirs(out_dir) and not (out_dir / "final").exists()
 
 
+def saved_settings(out_dir: Path, known: list[str]) -> dict:
+    """The settings of the run in out_dir (its config.json; {} when it has none, which check_out_dir reports),
+    less where it is and that it was resumed. A setting this version of lanpo does not know stops here: the
+    run cannot be continued as it was."""
+    path = out_dir / "config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"--resume: cannot read the run's settings {path}: {e}") from None
+    unknown = sorted(set(saved) - set(known))
+    if unknown:
+        raise SystemExit(f"--resume: {path} has settings this version of lanpo does not know ({', '.join(unknown)}): "
+                         "the run was made by another version; continue it with that one")
+    return {name: value for name, value in saved.items() if name not in ("resume", "out_dir")}
+
+
 def check_out_dir(cfg, out_dir: Path) -> Path | None:
     """The checkpoint to resume from (None: a new run), or an error before anything is written: --out-dir
     is a file; another run is writing it; it holds a run but --resume is missing; --resume finds no
@@ -175,17 +214,42 @@ def check_out_dir(cfg, out_dir: Path) -> Path | None:
     if not found:
         raise SystemExit(f"--resume: {out_dir} holds no complete checkpoint (checkpoints/step-*): check the "
                          "path, or drop --resume to start a new run there")
+    changed = changed_settings(cfg, out_dir)
+    if changed:
+        raise SystemExit(f"--resume would change the run: {changed}. Keep the run's settings "
+                         f"({out_dir / 'config.json'}) or start a new --out-dir")
+    return found[-1]
+
+
+def changed_settings(cfg, out_dir: Path) -> str:
+    """The settings of cfg that differ from the run in out_dir (its config.json) and would change its
+    training, as "--flag value (the run has value), ..."; "" when none do."""
     saved_path = out_dir / "config.json"
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
     changed = [name for name, value in dataclasses.asdict(cfg).items()
                if name in saved and name not in RESUMABLE and saved[name] != value]
     if saved.get("steps", cfg.steps) != cfg.steps and cfg.lr_schedule != "constant":
         changed.append("steps")  # the decay is spread over --steps: more steps change the LR of the rest
+    return ", ".join(f"--{n.replace('_', '-')} {getattr(cfg, n)} (the run has {saved[n]})" for n in changed)
+
+
+def ablation_arm(cfg) -> str:
+    """What `./run.sh ablate` does with one arm (cfg: its settings, out_dir: its directory): "new" (nothing
+    there, or a run that stopped before its first checkpoint, which lanpo.py starts again), "skip" (finished
+    with these settings and steps), "resume" (interrupted after a checkpoint, or finished with fewer steps),
+    or a one-line refusal when the directory holds a run of other settings (never touched)."""
+    out_dir = Path(cfg.out_dir)
+    if not (out_dir / "config.json").exists() or unstarted_run(out_dir):
+        return "new"
+    changed = changed_settings(cfg, out_dir)
     if changed:
-        raise SystemExit("--resume would change the run: " + ", ".join(
-            f"--{n.replace('_', '-')} {getattr(cfg, n)} (the run has {saved[n]})" for n in changed) +
-            f". Keep the run's settings ({saved_path}) or start a new --out-dir")
-    return found[-1]
+        return f"refused: {out_dir} holds a run of other settings ({changed}); move it away to run this arm"
+    saved_steps = json.loads((out_dir / "config.json").read_text()).get("steps", 0)
+    if (out_dir / "final").exists() and saved_steps >= cfg.steps:
+        return "skip"
+    if checkpoint_dirs(out_dir):
+        return "resume"
+    return f"refused: {out_dir} holds a finished run of {saved_steps} steps without a checkpoint to extend"
 
 
 def wandb_logged_in() -> bool:
@@ -223,8 +287,10 @@ def start_wandb(cfg, accelerator):
         return None
     try:
         import wandb
-    except ImportError:
-        return None  # check_wandb stopped --report-to wandb already
+    except ImportError:  # (check_wandb stopped --report-to wandb already: this is auto)
+        accelerator.print(f"wandb: off (not installed: pip install wandb); metrics go to "
+                          f"{Path(cfg.out_dir) / 'metrics.jsonl'} only")
+        return None
     mode = os.environ.get("WANDB_MODE") or ("online" if wandb_logged_in() else "offline")
     try:
         run = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), dir=cfg.out_dir,
@@ -245,7 +311,8 @@ def interrupted(out_dir: Path):
     wherever Ctrl-C landed (a checkpoint cut short is a .tmp dir, never loaded)."""
     def stop(signum, frame):
         saved = checkpoint_dirs(out_dir)
-        print(f"interrupted. Continue from {saved[-1]} with the same command plus --resume" if saved
+        print(f"interrupted. Continue from {saved[-1]}: run lanpo.py with --resume {out_dir} (the settings are saved)"
+              if saved
               else "interrupted before the first checkpoint (--save-every N writes them): nothing to resume; the "
                    "same command starts the run again in its place",
               file=sys.stderr, flush=True)

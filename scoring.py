@@ -66,6 +66,9 @@ def summarize(records: list[dict], samples: int) -> dict[str, float]:
     out = {"problems": float(len(records))}
     for key, scores in per_problem_scores(records, samples).items():
         out[key], out[f"{key}_low"], out[f"{key}_high"] = stats.interval([scores])
+    if "rewards" in records[0]:  # --reward module:function: its mean beside the grader's accuracy
+        out["reward"], out["reward_low"], out["reward_high"] = stats.interval(
+            [[float(np.mean(r["rewards"])) for r in records]])
     out["response_len"] = float(np.mean([np.mean(r["lengths"]) for r in records]))
     out["truncated"] = float(np.mean([np.mean(r["truncated"]) for r in records]))
     return out
@@ -112,10 +115,10 @@ class EvalSettings:
         return cls(**{**shared, **overrides})
 
 
-def _sample(model, tokenizer, texts: list[str], s: EvalSettings, eos_ids: list[int]):
+def _sample(model, tokenizer, texts: list[str], s: EvalSettings, eos_ids: list[int], progress: str = ""):
     return generate_completions(model, tokenizer, texts, eos_ids=eos_ids, max_new_tokens=s.max_new_tokens,
                                 temperature=s.temperature or 1.0, top_p=s.top_p, greedy=s.temperature == 0,
-                                batch_size=s.gen_batch, share_prefill=s.share_prefill)
+                                batch_size=s.gen_batch, share_prefill=s.share_prefill, progress=progress)
 
 
 def _record(row: dict, prompt: str, outs) -> dict:
@@ -127,12 +130,23 @@ def _record(row: dict, prompt: str, outs) -> dict:
             "truncated": [o.truncated for o in outs]}
 
 
+def add_rewards(records: list[dict], rows: list[dict], rewarder, prefix: str = "") -> None:
+    """Each record's `rewards` (or `turn2_rewards`): the responses scored by a --reward function."""
+    texts = [text for r in records for text in r[prefix + "responses"]]
+    problems = [row for row, r in zip(rows, records) for _ in r[prefix + "responses"]]
+    scores = iter(rewarder.scores(problems, texts))
+    for r in records:
+        r[prefix + "rewards"] = [next(scores) for _ in r[prefix + "responses"]]
+
+
 def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings, eos_ids: list[int],
-                  pool: ExperiencePool | None = None,
-                  first_turn: list[dict] | None = None) -> tuple[list[dict], dict[str, float]]:
+                  pool: ExperiencePool | None = None, first_turn: list[dict] | None = None,
+                  rewarder=None, progress: str = "") -> tuple[list[dict], dict[str, float]]:
     """Per-problem records and the summary for one benchmark in one mode. In `reflect` mode each record
     also holds the second turn (`turn2_*`), and the summary the turn-2 metrics and the flips; turn 1 is
-    a zero-shot pass, taken from `first_turn` (zero-shot records of the same rows and seed) when given."""
+    a zero-shot pass, taken from `first_turn` (zero-shot records of the same rows and seed) when given.
+    With a `rewarder` (reward.Rewarder of a --reward function) every response is also scored by it.
+    progress: a label for progress bars over the sampling (none when empty)."""
     if s.temperature == 0 and s.samples != 1:
         raise SystemExit("greedy decoding (--temperature 0) gives one distinct sample: use --samples 1")
     k = s.samples
@@ -153,8 +167,10 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings
     if mode == "reflect" and first_turn is not None:
         records = [dict(r) for r in first_turn]
     else:
-        outs = _sample(model, tokenizer, [t for t in texts for _ in range(k)], s, eos_ids)
+        outs = _sample(model, tokenizer, [t for t in texts for _ in range(k)], s, eos_ids, progress)
         records = [_record(row, text, outs[i * k:(i + 1) * k]) for i, (row, text) in enumerate(zip(rows, texts))]
+        if rewarder is not None:
+            add_rewards(records, rows, rewarder)
     for r in records:
         r["lessons"] = lessons.get(r["id"], "")
     summary = summarize(records, k)
@@ -167,10 +183,13 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings
                                             one_shot=s.one_shot, **({} if s.reflect_mode == "agnostic" else {
                                                 "mode": s.reflect_mode, "rewards": [verdict], "gold": r["gold"]}))[0]
                   for r in records for resp, verdict in zip(r["responses"], r["verdicts"])]
-        outs2 = _sample(model, tokenizer, second, s, eos_ids)
+        outs2 = _sample(model, tokenizer, second, s, eos_ids, progress and f"{progress}, turn 2")
         turn2 = [_record(row, "", outs2[i * k:(i + 1) * k]) for i, row in enumerate(rows)]
+        if rewarder is not None:
+            add_rewards(turn2, rows, rewarder)
+        keys = ("responses", "answers", "verdicts", "lengths", "truncated") + (("rewards",) if rewarder else ())
         for i, (r, t) in enumerate(zip(records, turn2)):
-            for key in ("responses", "answers", "verdicts", "lengths", "truncated"):
+            for key in keys:
                 r[f"turn2_{key}"] = t[key]
             r["turn2_prompts"] = second[i * k:(i + 1) * k]  # one per sample: each shows its own first attempt
         summary.update(turn2_summary(records, k))

@@ -189,7 +189,7 @@ def _eval_prompts(tiny_model_dir, tmp_path, mode, flags, monkeypatch, pool=None)
 
     from rollout import Completion
 
-    def first_turn_is_attempt(model, tokenizer, texts, s, eos_ids):
+    def first_turn_is_attempt(model, tokenizer, texts, s, eos_ids, progress=""):
         return [Completion(torch.tensor([1]), torch.tensor([2]), False, ATTEMPT) for _ in texts]
 
     if mode == "reflect":

@@ -106,6 +106,31 @@ def test_resume_refuses_changed_training_settings_and_allows_the_rest(no_model, 
                                        "--save-every", "5", "--report-to", "none"]))
 
 
+def test_resume_dir_alone_takes_the_runs_saved_settings(no_model, tmp_path):
+    run = _fake_run(tmp_path, lr="1e-05", group_size=8, feedback="intra", max_new_tokens=12)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "one_shot": False, "report_to": "none"}))
+    cfg = lanpo.parse_config(["--resume", str(run)])
+    assert (cfg.out_dir, cfg.resume, cfg.lr, cfg.group_size, cfg.feedback, cfg.max_new_tokens, cfg.one_shot) == \
+        (str(run), True, 1e-05, 8, "intra", 12, False)
+    assert lanpo.parse_config(["--out-dir", str(run), "--resume"]) == cfg  # bare --resume: the run in --out-dir
+    assert lanpo.parse_config(["--resume", str(run), "--steps", "30"]).steps == 30  # a longer run
+
+    def refused(args, match):
+        with pytest.raises(SystemExit) as stop:
+            lanpo.main(lanpo.parse_config(args))
+        assert match in str(stop.value.code) and "\n" not in str(stop.value.code), stop.value.code
+        return str(stop.value.code)
+
+    assert "--group-size 4 (the run has 8)" in refused(["--resume", str(run), "--group-size", "4"],
+                                                       "--resume would change the run")
+    refused(["--resume", str(run), "--out-dir", str(tmp_path / "elsewhere")], "name two directories")
+    (run / "config.json").write_text(json.dumps({**config, "kl_mode": "k2"}))
+    refused(["--resume", str(run)], "does not know (kl_mode)")
+    assert not (tmp_path / "elsewhere").exists() and sorted(p.name for p in run.iterdir()) == ["checkpoints",
+                                                                                                "config.json"]
+
+
 def test_resume_refuses_more_steps_under_a_decaying_schedule(no_model, tmp_path):
     run = _fake_run(tmp_path, lr_schedule="cosine")
     _refused(["--out-dir", str(run), "--resume", "--lr-schedule", "cosine", "--steps", "20"],
@@ -185,6 +210,9 @@ def test_wandb_auto_never_stops_a_run(monkeypatch, tmp_path, capsys):
     _fake_wandb(monkeypatch, fail_when=lambda mode: True)
     assert rundir.start_wandb(cfg, acc) is None
     assert "wandb: off (No API key configured. Use `wandb login` to log in.)" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: `import wandb` raises ImportError
+    assert rundir.start_wandb(cfg, acc) is None
+    assert "wandb: off (not installed: pip install wandb); metrics go to" in capsys.readouterr().out
 
 
 def test_report_to_wandb_problems_come_before_the_model(no_model, monkeypatch, tmp_path):
@@ -236,7 +264,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tiny_model_dir, tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]  # the shell's code for Ctrl-C
-    assert "interrupted. Continue from" in err and "with the same command plus --resume" in err
+    assert "interrupted. Continue from" in err and f"run lanpo.py with --resume {out} (the settings are saved)" in err
 
 
 def test_evaluate_refusals_and_intermediate_checkpoints(tiny_model_dir, tmp_path, graded_by_parity):
@@ -263,13 +291,46 @@ def test_evaluate_refusals_and_intermediate_checkpoints(tiny_model_dir, tmp_path
         evaluate.main(["--model", str(step1), *base, "--limit", "2", "--out-dir", str(tmp_path / "e2")])
 
 
-def test_ablate_lists_its_runs_and_can_dry_run(tmp_path):
-    done = subprocess.run(["bash", str(ROOT / "run.sh"), "ablate", "--dry-run", "--steps", "2"],
-                          capture_output=True, text=True, timeout=60)
+def _arm(root, name, *flags):
+    """A run directory as the arm `name` of the matrix with these flags would have left it."""
+    out = root / name
+    cfg = lanpo.parse_config(["--out-dir", str(out), "--lr", "2e-5", *flags])
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(lanpo.dataclasses.asdict(cfg)))
+    return out
+
+
+def test_ablate_skips_finished_arms_resumes_interrupted_ones_and_refuses_other_settings(tmp_path):
+    finished = _arm(tmp_path, "lanpo", "--feedback", "both", "--steps", "2")
+    (finished / "final").mkdir()
+    (_arm(tmp_path, "intra-only", "--feedback", "intra", "--steps", "2") / "checkpoints" / "step-000001").mkdir(
+        parents=True)
+    other = _arm(tmp_path, "grpo", "--feedback", "none", "--steps", "2", "--lr", "2e-6")
+    (other / "final").mkdir()
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    done = subprocess.run(["bash", str(ROOT / "run.sh"), "ablate", "--steps", "2", "--dry-run"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, ABLATE_DIR=str(tmp_path)))
     lines = done.stdout.splitlines()
-    assert done.returncode == 0 and lines[0].startswith("19 runs, each into runs/ablate/<name>")
-    assert len(lines) == 20 and all(line.endswith("--steps 2") for line in lines[1:])
-    assert "  grpo: python lanpo.py --out-dir runs/ablate/grpo --feedback none --steps 2" in lines
+    assert done.returncode == 0 and lines[0] == f"19 arms, each into {tmp_path}/<name> (extra flags: --steps 2):"
+    assert len(lines) == 20, done.stdout + done.stderr
+    assert f"  lanpo: finished with these settings, skipped ({finished})" in lines
+    assert f"  intra-only (resume): python lanpo.py --resume {tmp_path}/intra-only --lr 2e-5 --feedback intra " \
+           "--steps 2" in lines
+    assert f"  grpo: refused: {other} holds a run of other settings (--lr 2e-05 (the run has 2e-06)); move it " \
+           "away to run this arm" in lines
+    assert f"  inter-only (new): python lanpo.py --out-dir {tmp_path}/inter-only --lr 2e-5 --feedback inter " \
+           "--steps 2" in lines
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # a dry run starts and writes nothing
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without GPUs")
+@pytest.mark.parametrize("recipe, gpus", [("lanpo-7b", "8 GPUs"), ("small-gpu", "a GPU")])
+def test_gpu_recipes_stop_in_one_line_without_gpus(recipe, gpus):
+    done = subprocess.run(["bash", str(ROOT / "run.sh"), recipe], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"recipe {recipe} runs on {gpus}, and torch sees no GPU here: ./run.sh runs the embedded " \
+                          "default on CPU\n"
 
 
 def test_plot_steps_are_integers(tmp_path, monkeypatch):

@@ -268,6 +268,25 @@ def test_relevance_score_is_the_models_yes_probability(tiny):
         assert score == pytest.approx(expected, abs=1e-5) and 0 < score < 1
 
 
+def test_relevance_answer_words_come_from_prompts_and_the_scores_follow_them(tiny, monkeypatch):
+    """Changing the answer words in prompts.py is the whole edit: the request asks for them and the scores
+    compare their first tokens' logits."""
+    model, tokenizer = tiny
+    pair = ("What is 2 + 2?", "What is 3 + 3?", "3 + 3 = 6")
+    before = abstract.relevance_scores(model, tokenizer, [prompts.relevance_request(*pair)])[0]
+    monkeypatch.setattr(prompts, "RELEVANCE_ANSWERS", ("Ja", "Nein"))
+    request = prompts.relevance_request(*pair)
+    assert request.endswith("Answer with Ja or Nein.")
+    score = abstract.relevance_scores(model, tokenizer, [request])[0]
+    ids = tokenizer(prompts.render_prompt(tokenizer, request, one_shot=False), return_tensors="pt",
+                    add_special_tokens=False).input_ids
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    ja, nein = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("Ja", "Nein"))
+    assert score == pytest.approx(torch.softmax(logits[[ja, nein]], -1)[0].item(), abs=1e-5)
+    assert score != pytest.approx(before, abs=1e-3)  # other words, another score: the test can fail
+
+
 @pytest.mark.parametrize("batch_size", [2, 16])
 def test_shared_relevance_scores_equal_plain_ones(tiny, batch_size):
     """Each judged problem's start encoded once (share_prefix) gives the plain forward's scores: groups of
@@ -443,3 +462,17 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path, graded_by_parity):
     a = (tmp_path / "full" / "checkpoints" / "step-000003" / "pool.jsonl").read_text()
     b = (part / "checkpoints" / "step-000003" / "pool.jsonl").read_text()
     assert a == b
+
+
+def test_final_weights_share_the_last_checkpoints_file_and_a_longer_run_never_writes_into_it(tiny_model_dir, tmp_path,
+                                                                                          graded_by_parity):
+    import hashlib
+    run = tmp_path / "run"
+    _run(tiny_model_dir, run, "--steps", "2", "--keep-last", "5")
+    final, saved = run / "final" / "model.safetensors", run / "checkpoints" / "step-000002" / "model.safetensors"
+    assert final.stat().st_ino == saved.stat().st_ino and final.stat().st_nlink == 2  # one copy on disk
+    digest = hashlib.sha256(saved.read_bytes()).hexdigest()
+    _run(tiny_model_dir, run, "--resume", str(run), "--steps", "3")
+    assert hashlib.sha256(saved.read_bytes()).hexdigest() == digest  # step 2's weights are still step 2's
+    assert final.stat().st_ino == (run / "checkpoints" / "step-000003" / "model.safetensors").stat().st_ino
+    assert final.read_bytes() != saved.read_bytes() and not (run / "final.tmp").exists()

@@ -64,7 +64,8 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tiny_model_dir
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert len(_metrics(out)) < 6
-    subprocess.run(_cmd(tiny_model_dir, out, "--resume", *extra), check=True, env=env, capture_output=True)
+    # --resume DIR alone: the model, the 6 steps, --abstract-ahead and the rest come from the run's config.json
+    subprocess.run(_cmd(tiny_model_dir, out)[:3] + ["--resume", str(out)], check=True, env=env, capture_output=True)
     # exact equality: per-step seeding + restored optimizer/scheduler/pool/lessons, deterministic CPU kernels
     assert _metrics(out) == _metrics(tmp_path / "full")
     assert (out / "checkpoints" / "step-000006" / "pool.jsonl").read_text() == \
@@ -250,3 +251,4 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_the_same_co
     assert again.returncode == 0, again.stderr[-2000:]
     assert "stopped before its first checkpoint (nothing to resume): starting it again" in again.stdout
     assert _metrics(out) == _metrics(tmp_path / "whole")
+    assert "Setting accelerator to CPU" not in again.stderr  # DeepSpeed (installed here) is told, not guessing
