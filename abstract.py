@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 import prompts
-from grpo import cache_kwarg, position_ids
+from forwards import cache_kwarg, position_ids
 from math_grader import extract_answer
 from pool import ExperiencePool, Trial
 from prompts import principles_request, raw_experience_block, relevance_request, render_prompt
@@ -165,11 +165,13 @@ class PendingLessons:
     stats: AbstractionStats
 
 
-def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, *,
-                    candidates: int, gamma: float, mode: str, refresh: int, attempt_tokens: int,
-                    relevance_text: str, share_prefill: bool = True) -> PendingLessons:
+def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int,
+                    cfg) -> PendingLessons:
     """Steps 1 and 2 (candidates, relevance) for each problem whose cache entry is missing or older than
-    `refresh` steps; cache hits are served as they are. What is left to generate is in `requests`."""
+    --abstract-refresh steps; cache hits are served as they are. What is left to generate is in `requests`.
+    cfg (lanpo.Config) gives K (--inter-candidates), gamma (--relevance-threshold), --inter-mode,
+    --attempt-tokens, --relevance-text and --share-prefill."""
+    gamma, mode = cfg.relevance_threshold, cfg.inter_mode
     stats = AbstractionStats()
     lessons: dict[str, str] = {}
     todo: list[tuple[dict, list[Trial]]] = []
@@ -177,20 +179,20 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
 
     t0 = time.perf_counter()
     for p in problems:
-        hit = fresh_entry(cache, p["id"], step, refresh)
+        hit = fresh_entry(cache, p["id"], step, cfg.abstract_refresh)
         if hit is not None:
             if hit["lessons"]:
                 lessons[p["id"]] = hit["lessons"]
             stats.cached += 1
             continue
-        found = pool.similar(p["problem"], candidates, exclude_id=p["id"])
+        found = pool.similar(p["problem"], cfg.inter_candidates, exclude_id=p["id"])
         shown = [best_trial(trials) for _, trials in found]
-        shown = [Trial(t.problem_id, t.problem, t.kind, t.context, shorten(t.response, tokenizer, attempt_tokens),
+        shown = [Trial(t.problem_id, t.problem, t.kind, t.context, shorten(t.response, tokenizer, cfg.attempt_tokens),
                        t.reward, t.step) for t in shown]
         stats.candidates += len(shown)
         todo.append((p, shown))
         for t in shown:
-            solution = t.response if relevance_text == "experience" else None
+            solution = t.response if cfg.relevance_text == "experience" else None
             pairs.append(relevance_request(p["problem"], t.problem, solution))
             owners.append(len(todo) - 1)
     stats.time_retrieval = time.perf_counter() - t0
@@ -198,7 +200,7 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
     t0 = time.perf_counter()
     kept: list[list[Trial]] = [[] for _ in todo]
     if gamma > 0 and pairs:
-        scores = relevance_scores(model, tokenizer, pairs, owners, share_prefix=share_prefill)
+        scores = relevance_scores(model, tokenizer, pairs, owners, share_prefix=cfg.share_prefill)
         stats.scores = scores
         flat = [t for _, shown in todo for t in shown]
         for owner, t, s in zip(owners, flat, scores):
@@ -234,29 +236,28 @@ def finish_lessons(pending: PendingLessons, outs: list, cache: dict, step: int, 
     return lessons
 
 
-def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, *,
-                candidates: int, gamma: float, mode: str, refresh: int, attempt_tokens: int,
-                max_new_tokens: int, eos_ids: list[int], gen_batch: int,
-                relevance_text: str, share_prefill: bool = True) -> tuple[dict[str, str], AbstractionStats]:
-    """Lessons (principles, or raw trajectories in `raw` mode) for each problem that has relevant
-    experience in the pool; problems without any are absent from the result.
+def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, cfg,
+                eos_ids: list[int]) -> tuple[dict[str, str], AbstractionStats]:
+    """Lessons (principles, or raw trajectories under --inter-mode raw) for each problem that has relevant
+    experience in the pool; problems without any are absent from the result. cfg is lanpo.Config: besides
+    prepare_lessons' settings, principles are generated greedily up to --abstract-max-tokens, --gen-batch
+    prompts a call.
 
-    relevance_text: what the relevance judgement sees of a candidate: its problem and shown solution
+    --relevance-text: what the relevance judgement sees of a candidate: its problem and shown solution
     (experience), or its problem statement only (problem: about a third of the tokens).
-    share_prefill: prompts' common starts are encoded once, in the relevance forward and in generation.
+    --share-prefill: prompts' common starts are encoded once, in the relevance forward and in generation.
 
     `cache` maps problem id -> {"step", "lessons"} and is updated in place; an entry (also "all
-    candidates judged irrelevant") is reused for `refresh` steps, then rebuilt (the pool has grown and
-    the policy has changed)."""
-    pending = prepare_lessons(model, tokenizer, pool, problems, cache, step, candidates=candidates, gamma=gamma,
-                              mode=mode, refresh=refresh, attempt_tokens=attempt_tokens, relevance_text=relevance_text,
-                              share_prefill=share_prefill)
+    candidates judged irrelevant") is reused for --abstract-refresh steps, then rebuilt (the pool has grown
+    and the policy has changed)."""
+    pending = prepare_lessons(model, tokenizer, pool, problems, cache, step, cfg)
     t0 = time.perf_counter()
     outs = []
     if pending.requests:
-        outs = generate_completions(model, tokenizer, pending.requests, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
-                                    greedy=True, batch_size=gen_batch, share_prefill=share_prefill)
-    lessons = finish_lessons(pending, outs, cache, step, mode)
+        outs = generate_completions(model, tokenizer, pending.requests, eos_ids=eos_ids,
+                                    max_new_tokens=cfg.abstract_max_tokens, greedy=True, batch_size=cfg.gen_batch,
+                                    share_prefill=cfg.share_prefill)
+    lessons = finish_lessons(pending, outs, cache, step, cfg.inter_mode)
     pending.stats.time_abstraction = time.perf_counter() - t0
     return lessons, pending.stats
 

@@ -79,7 +79,7 @@ def teacher_logprobs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
 def student_logprobs(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     """The student's log-probs on the teacher's categories: the same top-k token ids plus the rest bucket
     [N, C, k+1], or the full vocabulary when ids is None. Gradients flow into `logits`; one row at a time
-    in float32 (as grpo.selective_log_softmax)."""
+    in float32 (as forwards.selective_log_softmax)."""
     out = []
     for r, row in enumerate(logits):
         row = row.float()
@@ -125,7 +125,7 @@ def self_distill_loss(student: torch.Tensor, teacher: torch.Tensor, mask: torch.
 def feedback_model_loss(target_logps: torch.Tensor, weights: torch.Tensor, coef: float,
                         n_tokens: float) -> tuple[torch.Tensor, torch.Tensor]:
     """coef * (negative log-likelihood of the feedback tokens) / n_tokens, and that summed NLL.
-    target_logps [N, C] are 0 outside the feedback tokens (grpo.token_logprobs masks them); weights [N]
+    target_logps [N, C] are 0 outside the feedback tokens (forwards.token_logprobs masks them); weights [N]
     are 1, or 0 for a padding copy; n_tokens counts the feedback tokens of the whole batch."""
     nll = -(target_logps.sum(dim=1) * weights).sum()
     return coef * nll / max(n_tokens, 1e-9), nll

@@ -17,6 +17,7 @@ Outputs under --out-dir: summary.json, summary.md (every accuracy with its inter
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 import abstract
+import cpu
 import data
 import lanpo
 import models
@@ -33,13 +35,9 @@ import scoring
 import stats
 from pool import EmbeddingIndex, ExperiencePool
 
-# the settings evaluation shares with training: flags, help and defaults come from lanpo.Config
-# (every one that shapes a prompt: reflection's and abstraction's settings are honoured by the same builders)
-SHARED = ("model", "seed", "levels", "synthetic_size", "max_new_tokens", "top_p", "one_shot", "gen_batch",
-          "attempt_tokens", "reflect_mode", "reflect_attempts", "reflect_source", "inter_mode", "inter_candidates",
-          "relevance_threshold", "relevance_text", "abstract_max_tokens", "retriever", "pool_per_problem",
-          "pool_max_problems", "data_dir", "id_field", "problem_field", "answer_field", "skip_bad_rows",
-          "share_prefill", "cpu_rows_first_matmul", "reward", "reward_timeout")
+# the settings evaluation shares with training (Config fields marked evaluation=True): flags, help and defaults
+# are training's, and every one that shapes a prompt goes through training's builders
+SHARED = tuple(f.name for f in dataclasses.fields(lanpo.Config) if f.metadata.get("evaluation"))
 
 
 def compare(a_dir: str, b_dir: str) -> str:
@@ -156,8 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(table)
         return {"compare": table}
 
-    lanpo.check_config(lanpo.Config(**{name: getattr(args, name) for name in SHARED}))  # training's range checks
-    settings = scoring.EvalSettings.from_config(args, samples=args.samples, temperature=args.temperature)
+    cfg = lanpo.Config(**{name: getattr(args, name) for name in SHARED})  # training's settings, its defaults
+    lanpo.check_config(cfg)  # and its range checks
     for flag, least in (("samples", 1), ("limit", 0)):
         if getattr(args, flag) < least:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
@@ -195,8 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = models.load_policy(args.model, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     if torch.cuda.is_available():
         model = model.to("cuda")
-    elif args.cpu_rows_first_matmul:
-        models.rows_first_linears(model)
+    else:
+        cpu.speed_up(model, args.cpu_rows_first_matmul)
     eos_ids = models.eos_token_ids(model, tokenizer)
     if pool is not None and args.retriever == "policy":  # retrieval by the policy's hidden states, as in training
         pool = ExperiencePool(args.pool_per_problem, args.pool_max_problems,
@@ -212,8 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.manual_seed(args.seed)
                 t0 = time.perf_counter()
                 zero_shot = by_mode.get("zero-shot", {}).get(name, (None,))[0]  # reflect's turn 1, already run
-                records, summary = scoring.evaluate_rows(model, tokenizer, rows, mode, settings, eos_ids, pool,
-                                                         zero_shot, rewarder, progress=f"{name} [{mode}]")
+                records, summary = scoring.evaluate_rows(model, tokenizer, rows, mode, cfg, eos_ids, pool, zero_shot,
+                                                         rewarder, f"{name} [{mode}]", args.samples, args.temperature)
                 summary["seconds"] = time.perf_counter() - t0
                 results.setdefault(name, {})[mode] = summary
                 by_mode[mode][name] = (records, summary)

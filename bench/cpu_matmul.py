@@ -1,4 +1,4 @@
-"""Rows-first linear layers on CPU (models.RowsFirstLinear): x·Wᵀ against W·xᵀ for the embedded model's layer
+"""Rows-first linear layers on CPU (cpu.RowsFirstLinear): x·Wᵀ against W·xᵀ for the embedded model's layer
 shapes at decoding batch sizes, then whole decoding steps of the embedded model with and without them, and
 whether greedy decoding picks the same tokens. Runs alternate (plain, rows-first, plain, ...); medians.
 
@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import lanpo  # noqa: E402
+import cpu  # noqa: E402
 import models  # noqa: E402
 import prompts  # noqa: E402
 from rollout import generate_completions  # noqa: E402
@@ -36,7 +36,7 @@ def layer_ms(out_features: int, in_features: int, rows: int, rounds: int) -> tup
     fast = [torch.nn.Linear(in_features, out_features, bias=False) for _ in range(copies)]
     for a, b in zip(plain, fast):
         b.weight = a.weight
-    models.rows_first_linears(torch.nn.Sequential(*fast))
+    cpu.rows_first_linears(torch.nn.Sequential(*fast))
     x = torch.randn(rows, 1, in_features)
     repeat = max(1, 64 // copies)
     times = {0: [], 1: []}
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24, help="decoding steps timed per call")
     ap.add_argument("--out", default="runs/bench/cpu_matmul.json")
     args = ap.parse_args()
-    lanpo.keep_freed_host_memory()  # as lanpo.py does on CPU
+    cpu.speed_up()  # as lanpo.py does on CPU
     torch.manual_seed(0)
     result = {"layers_ms": {}, "decode_ms_per_step": {}, "same_greedy_tokens": {}}
     print("layer (out x in), rows: x·Wᵀ ms, W·xᵀ ms, speed-up")
@@ -85,7 +85,7 @@ def main() -> None:
     tokenizer = models.load_tokenizer(args.model)
     plain = models.load_policy(args.model, torch.float32).eval()
     fast = models.load_policy(args.model, torch.float32).eval()
-    models.rows_first_linears(fast)
+    cpu.rows_first_linears(fast)
     questions = [f"A shop sells {3 + i} boxes of {12 + 2 * i} pencils and {7 + i} single pencils. How many pencils "
                  f"does it sell in all?" for i in range(max(args.batches))]
     print(f"decoding, {args.steps} greedy steps per call: batch, plain ms/step, rows-first ms/step, speed-up")

@@ -51,9 +51,7 @@ def verdicts(model_dir: str, rows: list[dict], cfg: lanpo.Config) -> list[float]
     """Greedy verdict per held-out problem, through the code path training's eval uses."""
     tokenizer = models.load_tokenizer(model_dir)
     model = models.load_policy(model_dir, torch.float32)
-    settings = scoring.EvalSettings.from_config(cfg)
-    records, _ = scoring.evaluate_rows(model, tokenizer, rows, "zero-shot", settings,
-                                        models.eos_token_ids(model, tokenizer))
+    records, _ = scoring.evaluate_rows(model, tokenizer, rows, "zero-shot", cfg, models.eos_token_ids(model, tokenizer))
     return [r["verdicts"][0] for r in records]
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cpu  # noqa: E402
 import lanpo  # noqa: E402
 import math_grader  # noqa: E402
 import models  # noqa: E402
@@ -72,8 +73,8 @@ def main() -> None:
 
     tokenizer = models.load_tokenizer(str(run / "final"))
     model = models.load_policy(str(run / "final"), torch.float32).eval()
-    if cfg.cpu_rows_first_matmul and not torch.cuda.is_available():
-        models.rows_first_linears(model)
+    if not torch.cuda.is_available():
+        cpu.speed_up(model, cfg.cpu_rows_first_matmul)
     eos_ids = models.eos_token_ids(model, tokenizer)
 
     measured = [pid for pid in pool.trials

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cpu  # noqa: E402
 import data  # noqa: E402
 import models  # noqa: E402
 import prompts  # noqa: E402
@@ -75,12 +76,12 @@ def main() -> None:
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     fast = args.rows_first and model.device.type == "cpu"
 
-    def use_linear(cls) -> None:  # what models.rows_first_linears does, reversibly: bare runs on nn.Linear
+    def use_linear(cls) -> None:  # what cpu.rows_first_linears does, reversibly: bare runs on nn.Linear
         for m in linears:
             m.__class__ = cls
 
     def ours(texts: list[str], share_prefill: bool = True) -> int:
-        use_linear(models.RowsFirstLinear if fast else torch.nn.Linear)
+        use_linear(cpu.RowsFirstLinear if fast else torch.nn.Linear)
         outs = generate_completions(model, tokenizer, texts, eos_ids=eos, max_new_tokens=args.max_new_tokens,
                                     temperature=1.0, batch_size=len(texts), share_prefill=share_prefill)
         return sum(len(o.completion_ids) for o in outs)

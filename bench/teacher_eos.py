@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import distill  # noqa: E402
-import grpo  # noqa: E402
+import forwards  # noqa: E402
 import lanpo  # noqa: E402
 import models  # noqa: E402
 from pool import ExperiencePool  # noqa: E402
@@ -52,7 +52,7 @@ def pairs(pool_path: Path, tokenizer, cfg: lanpo.Config) -> list[tuple[str, str,
 def log_probs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> torch.Tensor:
     """Log-probs [C, V] at the positions that predict each completion token."""
     ids = torch.tensor([prompt_ids + completion_ids])
-    logits = grpo.completion_logits(model, ids, torch.ones_like(ids), len(completion_ids), temperature)
+    logits = forwards.completion_logits(model, ids, torch.ones_like(ids), len(completion_ids), temperature)
     return torch.log_softmax(logits[0].float(), dim=-1)
 
 

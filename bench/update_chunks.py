@@ -1,4 +1,4 @@
-"""The update's forwards in groups of similar completion length (`--update-chunks`, grpo.length_chunks)
+"""The update's forwards in groups of similar completion length (`--update-chunks`, forwards.length_chunks)
 against one forward padded to the micro-batch's longest completion (`--update-chunks 1`): seconds and FLOPs of
 the update a step, same configuration as bench/lanpo_overhead.py. Runs alternate (1, K, 1, K, ...) in fresh
 processes through bench/work.py; ratios are of the medians over every step but the first, with 95 %

@@ -3,7 +3,7 @@ the embedded SmolLM2-135M on CPU, the same synthetic:arith problems in the same 
 written out for TRL with its shuffling off; the ids TRL graded are checked) and one-shot chat prompt, the same
 reward (math_grader.grade), B problems x G samples, max_new_tokens, one policy epoch, constant LR, beta = 0,
 the `grpo` loss, group-std advantages, no gradient checkpointing, fp32, the same malloc settings
-(`lanpo.keep_freed_host_memory`). Runs alternate (ours, TRL, ours, TRL, ...) in fresh processes; the first
+(`cpu.speed_up`). Runs alternate (ours, TRL, ours, TRL, ...) in fresh processes; the first
 step of every run is warm-up and not counted. Prints every timed step of each side, the medians with
 min-max, the ratio of medians with a 95 % bootstrap interval (steps resampled), lanpo's time split
 (generate / grade / log-probs / update) and each side's peak memory.
@@ -37,7 +37,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 import lanpo, math_grader, prompts
-lanpo.keep_freed_host_memory()  # the malloc settings lanpo.py makes on CPU: compare the trainers, not allocators
+cpu.speed_up()  # the malloc settings lanpo.py makes on CPU: compare the trainers, not allocators
 
 args = json.loads(sys.argv[1])
 rows = [json.loads(line) for line in open(args["data"])]

@@ -10,7 +10,7 @@ Per step, each phase p (sampling, principles, relevance, retrieval, update, eval
 `work/p_gflop` (padding included, as computed), `work/p_padding_gflop` (the part spent on padding: mask-0
 positions, and decoding rows that have already stopped), `work/p_tokens` (token positions computed) and
 `work/p_decode_rows` (forwards of one new token per row: decoding). `work/update_padding_gflop_prompts` is the
-part of the update's padding in forward (2) of the prompt prefix tree (`grpo.shared_prompt_logits`: distinct
+part of the update's padding in forward (2) of the prompt prefix tree (`forwards.shared_prompt_logits`: distinct
 prompts padded to the longest of their micro-batch); its name does not end in _gflop, so that sums over the
 phases' keys do not count it again. A forward of T new tokens over K key
 columns (the attention mask's width, padding and cache included, as computed) counts 2 x (the parameters of

@@ -33,7 +33,7 @@ def launch(engine: str, args: list[str], processes: int = 2, timeout: int = 300,
            uneven_chunks: bool = False) -> subprocess.CompletedProcess:
     """Run lanpo under `engine` ("single" = one plain process, no launcher) and return the finished process
     (stdout and stderr captured); raises with the processes' output if it fails. uneven_chunks: rank r asks
-    for 1 + 2r forwards over each micro-batch's completions in the update (`grpo.chunk_count`)."""
+    for 1 + 2r forwards over each micro-batch's completions in the update (`forwards.chunk_count`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", LANPO_TEST_ENGINE=engine, DS_ACCELERATOR="cpu",
                LANPO_TEST_UNEVEN_CHUNKS="1" if uneven_chunks else "")
     if engine == "single":
@@ -101,15 +101,16 @@ def _run(argv: list[str]) -> None:
     from conftest import fake_grade
 
     import abstract
-    import grpo
+    import forwards
     import lanpo
     import math_grader
+    import update
 
     math_grader.grade = fake_grade  # the tiny random model never answers right: reward length parity
     out_dir = Path(argv[argv.index("--out-dir") + 1])
     updates: list[int] = []
 
-    real_update = lanpo.policy_update
+    real_update = update.policy_update
 
     def recorded_update(model, ref_model, optimizer, *args, **kwargs):
         stats = real_update(model, ref_model, optimizer, *args, **kwargs)
@@ -132,12 +133,12 @@ def _run(argv: list[str]) -> None:
             time.sleep(1.0)
         return real_save(self, *args, **kwargs)
 
-    lanpo.policy_update, abstract.lessons_for, Accelerator.save_state = recorded_update, uneven_lessons, late_save
+    update.policy_update, abstract.lessons_for, Accelerator.save_state = recorded_update, uneven_lessons, late_save
     groups_made: list[int] = []
     if os.environ.get("LANPO_TEST_UNEVEN_CHUNKS"):
-        real_chunks = grpo.length_chunks
-        grpo.chunk_count = lambda lengths, most: min(most, 1 + 2 * PartialState().process_index)
-        grpo.length_chunks = lambda lengths, chunks: groups_made.append(chunks) or real_chunks(lengths, chunks)
+        real_chunks = forwards.length_chunks
+        forwards.chunk_count = lambda lengths, most: min(most, 1 + 2 * PartialState().process_index)
+        forwards.length_chunks = lambda lengths, chunks: groups_made.append(chunks) or real_chunks(lengths, chunks)
     pool = lanpo.main(lanpo.parse_config(argv))
     rank = PartialState().process_index
     pool.save(out_dir / f"pool-rank{rank}.jsonl")

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from test_train import documented_metric_keys
 
 import distill
+import forwards
 import grpo
 import lanpo
 from rollout import Completion, pack
@@ -99,10 +100,10 @@ def test_the_teacher_branch_of_the_shared_model_adds_no_gradient(tiny):
     def sd_grads(teacher_model):
         t_ids, t_attn, cmask = pack([teacher], tokenizer.pad_token_id, "cpu")
         with torch.no_grad():
-            t_logits = grpo.completion_logits(teacher_model, t_ids, t_attn, cmask.shape[1])
+            t_logits = forwards.completion_logits(teacher_model, t_ids, t_attn, cmask.shape[1])
             t_logps, top = distill.teacher_logprobs(t_logits, 4)
         ids, attn, cmask = pack([student], tokenizer.pad_token_id, "cpu")
-        s_logps = distill.student_logprobs(grpo.completion_logits(model, ids, attn, cmask.shape[1]), top)
+        s_logps = distill.student_logprobs(forwards.completion_logits(model, ids, attn, cmask.shape[1]), top)
         loss = distill.self_distill_loss(s_logps, t_logps, cmask.float(), "reverse_kl", 1.0, cmask.sum().item())[0]
         return loss, torch.autograd.grad(loss, params)
 
@@ -210,7 +211,7 @@ def test_feedback_model_texts_mask_the_principles_only(tiny):
     # the loss term: log-likelihood of exactly the principle tokens given the prompt
     ids, attn, cmask = pack(texts, tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
-        got = grpo.token_logprobs(model, ids, attn, cmask, micro_batch=1)[0].sum().item()
+        got = forwards.token_logprobs(model, ids, attn, cmask, micro_batch=1)[0].sum().item()
         full = torch.cat([texts[0].prompt_ids, texts[0].completion_ids])[None]
         logp = torch.log_softmax(model(full).logits[0, :-1].float(), -1)
         n_prompt = len(texts[0].prompt_ids)

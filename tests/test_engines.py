@@ -126,7 +126,7 @@ def test_zero3_with_every_feedback_gradient_term_trains_like_ddp(run):
 
 @pytest.mark.parametrize("engine", ["zero3", "fsdp"])
 def test_processes_agree_on_the_update_forwards(engine, tiny_model_dir, tmp_path):
-    """Rank 0 wants one forward over each micro-batch's completions, rank 1 three (`grpo.chunk_count`
+    """Rank 0 wants one forward over each micro-batch's completions, rank 1 three (`forwards.chunk_count`
     patched): both make three, so the collective forwards of ZeRO-3 and FSDP2 stay in step, and the run trains
     as DDP does with the same groups. Each process would otherwise make its own number and the run would hang
     or fail."""

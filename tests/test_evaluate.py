@@ -61,9 +61,8 @@ def test_reflect_mode_runs_two_turns_and_counts_flips(tiny, monkeypatch, tmp_pat
     monkeypatch.setattr(math_grader, "grade", fake_grade)
     model, tokenizer = tiny
     rows = evaluate.load_benchmark(str(_bench(tmp_path)), 0, 0, "test", [1, 2, 3], 48)
-    s = scoring.EvalSettings.from_config(lanpo.Config(), samples=3, temperature=1.0, max_new_tokens=6,
-                                         attempt_tokens=32)
-    records, summary = scoring.evaluate_rows(model, tokenizer, rows, "reflect", s, [2])
+    cfg = lanpo.Config(max_new_tokens=6, attempt_tokens=32)
+    records, summary = scoring.evaluate_rows(model, tokenizer, rows, "reflect", cfg, [2], samples=3, temperature=1.0)
     pairs = [(b, a) for r in records for b, a in zip(r["verdicts"], r["turn2_verdicts"])]
     assert len(pairs) == 18 and all(len(r["turn2_responses"]) == 3 for r in records)
     assert summary["flip_wrong_to_right"] == sum(a and not b for b, a in pairs) / 18
@@ -189,7 +188,7 @@ def _eval_prompts(tiny_model_dir, tmp_path, mode, flags, monkeypatch, pool=None)
 
     from rollout import Completion
 
-    def first_turn_is_attempt(model, tokenizer, texts, s, eos_ids, progress=""):
+    def first_turn_is_attempt(model, tokenizer, texts, cfg, temperature, eos_ids, progress=""):
         return [Completion(torch.tensor([1]), torch.tensor([2]), False, ATTEMPT) for _ in texts]
 
     if mode == "reflect":
@@ -255,10 +254,7 @@ def test_evaluation_abstracts_with_the_prompt_training_builds(tiny, tiny_model_d
         index = EmbeddingIndex(abstract.hidden_state_embedder(model, tokenizer)) if cfg.retriever == "policy" else None
         pool = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index)  # as lanpo.setup builds it
         pool.load(tmp_path / "pool.jsonl")
-        lessons, _ = abstract.lessons_for(
-            model, tokenizer, pool, [row], {}, 1, candidates=cfg.inter_candidates, gamma=cfg.relevance_threshold,
-            mode=cfg.inter_mode, refresh=1, attempt_tokens=cfg.attempt_tokens, max_new_tokens=cfg.abstract_max_tokens,
-            eos_ids=[tokenizer.eos_token_id], gen_batch=cfg.gen_batch, relevance_text=cfg.relevance_text)
+        lessons, _ = abstract.lessons_for(model, tokenizer, pool, [row], {}, 1, cfg, [tokenizer.eos_token_id])
         return lanpo.build_prompts(tokenizer, [row], pool, lessons, cfg)[0]
 
     flags = base + flags

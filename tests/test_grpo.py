@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import forwards
 import grpo
 from rollout import Completion, pack
 
@@ -139,7 +140,7 @@ def test_token_logprobs_match_naive_and_ignore_left_padding(tiny):
     ids, attn, cmask = pack(comps, tokenizer.pad_token_id, "cpu")
     for temperature in (1.0, 0.7):
         with torch.no_grad():
-            got, entropy = grpo.token_logprobs(model, ids, attn, cmask, micro_batch=2, temperature=temperature)
+            got, entropy = forwards.token_logprobs(model, ids, attn, cmask, micro_batch=2, temperature=temperature)
         for i, c in enumerate(comps):
             full = torch.cat([c.prompt_ids, c.completion_ids])[None]
             with torch.no_grad():
@@ -158,18 +159,18 @@ def test_hoist_common_prefix_by_hand():
                         [7, 8, 9, 5, 6, 3, 52],        # prompt 7 8 9 5 6 3
                         [pad, pad, pad, 7, 8, 6, 53]])  # prompt 7 8 6
     mask = (ids != pad).long()
-    hoisted, hoisted_mask, k = grpo.hoist_common_prefix(ids, mask, n_prompt=6)
+    hoisted, hoisted_mask, k = forwards.hoist_common_prefix(ids, mask, n_prompt=6)
     assert k == 2  # 7 8 is every prompt's start
     assert hoisted.tolist() == [[7, 8, pad, pad, 9, 4, 51], [7, 8, 9, 5, 6, 3, 52], [7, 8, pad, pad, pad, 6, 53]]
     assert hoisted_mask.tolist() == [[1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 1, 1]]
     # the same real-token positions, so the same sequences to the model
     for row in range(3):
-        assert (grpo.position_ids(hoisted_mask)[row][hoisted_mask[row].bool()].tolist()
-                == grpo.position_ids(mask)[row][mask[row].bool()].tolist())
+        assert (forwards.position_ids(hoisted_mask)[row][hoisted_mask[row].bool()].tolist()
+                == forwards.position_ids(mask)[row][mask[row].bool()].tolist())
     # identical prompts keep their last token after the prefix; nothing in common gives k = 0
     same = torch.tensor([[7, 8, 9, 51], [7, 8, 9, 52]])
-    assert grpo.hoist_common_prefix(same, torch.ones_like(same), n_prompt=3)[2] == 1
-    assert grpo.hoist_common_prefix(ids[:, 2:], mask[:, 2:], n_prompt=4)[2] == 0
+    assert forwards.hoist_common_prefix(same, torch.ones_like(same), n_prompt=3)[2] == 1
+    assert forwards.hoist_common_prefix(ids[:, 2:], mask[:, 2:], n_prompt=4)[2] == 0
 
 
 def repeated_prompt_batch(tokenizer):
@@ -189,11 +190,11 @@ def logits_and_gradients(model, ids, attn, cmask, share: bool, chunks: int = 1, 
     forward over the whole padded rows, logits of the positions before each completion token, by hand."""
     model.zero_grad(set_to_none=True)
     if reference:
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=grpo.position_ids(attn)).logits
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=forwards.position_ids(attn)).logits
         logits = logits[:, ids.shape[1] - cmask.shape[1] - 1:-1] / 0.7
     else:
-        logits = grpo.completion_logits(model, ids, attn, cmask.shape[1], 0.7, share_prompts=share, chunks=chunks)
-    logps, _ = grpo.selective_log_softmax(logits, ids[:, -cmask.shape[1]:])
+        logits = forwards.completion_logits(model, ids, attn, cmask.shape[1], 0.7, share_prompts=share, chunks=chunks)
+    logps, _ = forwards.selective_log_softmax(logits, ids[:, -cmask.shape[1]:])
     weights = torch.linspace(-1.0, 2.0, logps.numel()).view_as(logps)
     (logps * cmask * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -215,30 +216,30 @@ def test_shared_and_chunked_forwards_give_the_plain_logits_and_gradients(tiny, s
     for name, grad in plain_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
     with torch.no_grad():  # token_logprobs in micro-batches takes the same path
-        a = grpo.token_logprobs(model, ids, attn, cmask, micro_batch=4, share_prompts=share, chunks=chunks)[0]
-        b = grpo.token_logprobs(model, ids, attn, cmask, micro_batch=4)[0]
+        a = forwards.token_logprobs(model, ids, attn, cmask, micro_batch=4, share_prompts=share, chunks=chunks)[0]
+        b = forwards.token_logprobs(model, ids, attn, cmask, micro_batch=4)[0]
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_length_chunks_pad_least_by_hand():
     rows = lambda groups: [(r.tolist(), w) for r, w in groups]  # noqa: E731
-    assert rows(grpo.length_chunks(torch.tensor([1, 8, 1, 8]), 2)) == [([1, 3], 8), ([0, 2], 1)]
+    assert rows(forwards.length_chunks(torch.tensor([1, 8, 1, 8]), 2)) == [([1, 3], 8), ([0, 2], 1)]
     # sorted 6 5 4 2 1 0(->1): {6} {5 4} {2 1 1} pads 0 + 1 + 2, as few as any split into 3
-    assert rows(grpo.length_chunks(torch.tensor([5, 1, 4, 0, 6, 2]), 3)) == [([4], 6), ([0, 2], 5), ([1, 3, 5], 2)]
-    assert rows(grpo.length_chunks(torch.tensor([3, 7]), 4)) == [([1], 7), ([0], 3)]  # never more groups than rows
-    assert rows(grpo.length_chunks(torch.tensor([3, 7, 2]), 1)) == [([0, 1, 2], 7)]
+    assert rows(forwards.length_chunks(torch.tensor([5, 1, 4, 0, 6, 2]), 3)) == [([4], 6), ([0, 2], 5), ([1, 3, 5], 2)]
+    assert rows(forwards.length_chunks(torch.tensor([3, 7]), 4)) == [([1], 7), ([0], 3)]  # never more groups than rows
+    assert rows(forwards.length_chunks(torch.tensor([3, 7, 2]), 1)) == [([0, 1, 2], 7)]
 
 
 def test_chunk_count_splits_only_where_it_saves_enough():
     # [8 8 1 1]: one forward pads 14 of 32 positions, two pad none; a second forward costs 0.1 x 32 = 3.2
-    assert grpo.chunk_count(torch.tensor([8, 1, 8, 1]), 4) == 2
-    assert grpo.chunk_count(torch.tensor([8, 1, 8, 1]), 1) == 1
-    assert grpo.chunk_count(torch.tensor([5, 5, 4, 5]), 4) == 1  # saves 1 position of 20: not worth a forward
+    assert forwards.chunk_count(torch.tensor([8, 1, 8, 1]), 4) == 2
+    assert forwards.chunk_count(torch.tensor([8, 1, 8, 1]), 1) == 1
+    assert forwards.chunk_count(torch.tensor([5, 5, 4, 5]), 4) == 1  # saves 1 position of 20: not worth a forward
     # a forward beyond the first costs 0.1 x 3 rows x 9 = 2.7 positions. [9 5 1]: one forward pads 12,
     # {9} {5 1} 4 + 2.7, {9} {5} {1} 0 + 5.4 -> three. [9 8 1]: 9, {9 8} {1} 1 + 2.7, three 0 + 5.4 -> two
-    assert grpo.chunk_count(torch.tensor([1, 5, 9]), 3) == 3
-    assert grpo.chunk_count(torch.tensor([1, 8, 9]), 3) == 2
-    assert grpo.chunk_count(torch.tensor([1, 5, 9]), 2) == 2
+    assert forwards.chunk_count(torch.tensor([1, 5, 9]), 3) == 3
+    assert forwards.chunk_count(torch.tensor([1, 8, 9]), 3) == 2
+    assert forwards.chunk_count(torch.tensor([1, 5, 9]), 2) == 2
 
 
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=9), st.integers(1, 5))
@@ -246,7 +247,7 @@ def test_chunk_count_splits_only_where_it_saves_enough():
 def test_length_chunks_is_the_least_padded_split(lengths, chunks):
     """Every row in exactly one group, min(chunks, rows) groups, each as wide as its longest row, and no
     split of the sorted rows into that many contiguous groups pads fewer positions (brute force)."""
-    groups = grpo.length_chunks(torch.tensor(lengths), chunks)
+    groups = forwards.length_chunks(torch.tensor(lengths), chunks)
     size = [max(n, 1) for n in lengths]
     assert sorted(i for r, _ in groups for i in r.tolist()) == list(range(len(lengths)))
     assert len(groups) == min(chunks, len(lengths))
@@ -289,6 +290,6 @@ def test_shared_prompt_forward_refuses_gradient_checkpointing(tiny_model_dir):
     model = models.load_policy(str(tiny_model_dir), torch.float32, gradient_checkpointing=True).train()
     ids, attn, cmask = repeated_prompt_batch(tokenizer)
     with pytest.raises(ValueError, match="gradient checkpointing"):
-        grpo.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)
+        forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)
     with torch.no_grad():  # without gradient the layers run as they are, cache included
-        grpo.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)
+        forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)

@@ -231,9 +231,10 @@ def test_forged_turns_are_neutralized(tiny):
 @given(g=st.integers(2, 32), rho=st.floats(0, 1), can_r=st.booleans(), can_a=st.booleans(),
        feedback=st.sampled_from(["none", "intra", "inter", "both"]))
 def test_group_mixing_counts_are_exact(g, rho, can_r, can_a, feedback):
-    kinds = lanpo.plan_group(g, rho, can_r, can_a, feedback)
-    r_ok = can_r and feedback in ("intra", "both")
-    a_ok = can_a and feedback in ("inter", "both")
+    cfg = lanpo.Config(feedback=feedback)
+    r_ok, a_ok = can_r and cfg.uses_reflection, can_a and cfg.uses_abstraction
+    kinds = lanpo.plan_group(g, rho, r_ok, a_ok)
+    assert r_ok == (can_r and feedback in ("intra", "both")) and a_ok == (can_a and feedback in ("inter", "both"))
     n = math.floor(rho * g + 0.5) if (r_ok or a_ok) else 0
     assert len(kinds) == g
     assert kinds.count("scratch") == g - n
@@ -244,10 +245,10 @@ def test_group_mixing_counts_are_exact(g, rho, can_r, can_a, feedback):
 
 
 def test_group_mixing_examples():
-    assert lanpo.plan_group(8, 0.5, True, True, "both") == ["scratch"] * 4 + ["reflect"] * 2 + ["abstract"] * 2
-    assert lanpo.plan_group(4, 0.25, True, True, "both") == ["scratch"] * 3 + ["reflect"]
-    assert lanpo.plan_group(4, 0.5, False, True, "both") == ["scratch"] * 2 + ["abstract"] * 2
-    assert lanpo.plan_group(4, 1.0, True, False, "inter") == ["scratch"] * 4
+    assert lanpo.plan_group(8, 0.5, True, True) == ["scratch"] * 4 + ["reflect"] * 2 + ["abstract"] * 2
+    assert lanpo.plan_group(4, 0.25, True, True) == ["scratch"] * 3 + ["reflect"]
+    assert lanpo.plan_group(4, 0.5, False, True) == ["scratch"] * 2 + ["abstract"] * 2
+    assert lanpo.plan_group(4, 1.0, False, False) == ["scratch"] * 4
 
 
 # ------------------------------------------------------------------------------------------------ relevance
@@ -322,8 +323,8 @@ def test_no_candidate_shares_the_querys_arithmetic_in_the_no_filter_ablation(tin
     rows = data.synthetic_arith("train", 48, seed=0, levels=[1, 2, 3])
     pool = ExperiencePool()
     pool.add([trial(r["id"], r["problem"], f"\\boxed{{{r['answer']}}}", 1.0) for r in rows])
-    pending = abstract.prepare_lessons(model, tokenizer, pool, rows, {}, 1, candidates=3, gamma=0.0,
-                                       mode="raw", refresh=1, attempt_tokens=64, relevance_text="experience")
+    pending = abstract.prepare_lessons(model, tokenizer, pool, rows, {}, 1, lanpo.Config(
+        inter_candidates=3, relevance_threshold=0.0, inter_mode="raw", abstract_refresh=1, attempt_tokens=64))
     assert pending.stats.candidates == 48 * 3
     twins = [(p["problem"], t.problem) for (p, _), kept in zip(pending.todo, pending.kept) for t in kept
              if arithmetic(t.problem) == arithmetic(p["problem"])]
@@ -339,13 +340,15 @@ def test_threshold_filters_as_stated(tiny):
     pairs = [prompts.relevance_request(problem[0]["problem"], ts[0].problem, ts[0].response) for _, ts in found]
     scores = sorted(abstract.relevance_scores(model, tokenizer, pairs))
     gamma = (scores[1] + scores[2]) / 2  # between the 2nd and 3rd score: exactly 2 kept
-    kw = dict(candidates=4, mode="raw", refresh=1, attempt_tokens=64, max_new_tokens=8, eos_ids=[2], gen_batch=4,
-              relevance_text="experience")
-    lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, gamma=gamma, **kw)
+    def cfg(gamma):
+        return lanpo.Config(inter_candidates=4, relevance_threshold=gamma, inter_mode="raw", abstract_refresh=1,
+                            attempt_tokens=64, abstract_max_tokens=8, gen_batch=4, relevance_text="experience")
+
+    lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg(gamma), [2])
     assert stats.candidates == 4 and stats.kept == 2 and lessons["cur"].count("Related problem:") == 2
-    lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, gamma=0.0, **kw)
+    lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg(0.0), [2])
     assert stats.kept == 4
-    lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, gamma=1.0, **kw)
+    lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg(1.0), [2])
     assert stats.kept == 0 and "cur" not in lessons
 
 
@@ -361,9 +364,9 @@ def test_relevance_text_decides_what_the_judgement_reads(tiny, monkeypatch, rele
     monkeypatch.setattr(abstract, "relevance_scores",
                         lambda m, t, pairs, *_, **__: seen.extend(pairs) or [1.0] * len(pairs))
     lessons, stats = abstract.lessons_for(
-        model, tokenizer, pool, [{"id": "cur", "problem": "Tom has 9 apples and gets 9 more."}], {}, 1, candidates=3,
-        gamma=0.5, mode="raw", refresh=1, attempt_tokens=64, max_new_tokens=8, eos_ids=[2], gen_batch=4,
-        relevance_text=relevance_text)
+        model, tokenizer, pool, [{"id": "cur", "problem": "Tom has 9 apples and gets 9 more."}], {}, 1,
+        lanpo.Config(inter_candidates=3, relevance_threshold=0.5, inter_mode="raw", abstract_refresh=1,
+                     attempt_tokens=64, abstract_max_tokens=8, gen_batch=4, relevance_text=relevance_text), [2])
     assert len(seen) == 3 and stats.kept == 3
     assert all(f"Tom has {i} apples" in "".join(seen) for i in range(3))
     assert all(("SOLUTION" in pair) == (relevance_text == "experience") for pair in seen)
@@ -376,11 +379,11 @@ def test_principles_are_cached_and_refreshed(tiny):
     pool.add([trial("o", "Tom has 3 apples.", "3 \\boxed{3}", 1.0)])
     problem = [{"id": "cur", "problem": "Tom has 4 apples."}]
     cache = {}
-    kw = dict(candidates=2, gamma=0.0, mode="principles", refresh=3, attempt_tokens=64, max_new_tokens=6,
-              eos_ids=[2], gen_batch=4, relevance_text="experience")
-    _, s1 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 1, **kw)
-    _, s2 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 3, **kw)
-    _, s3 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 4, **kw)
+    cfg = lanpo.Config(inter_candidates=2, relevance_threshold=0.0, inter_mode="principles", abstract_refresh=3,
+                       attempt_tokens=64, abstract_max_tokens=6, gen_batch=4, relevance_text="experience")
+    _, s1 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 1, cfg, [2])
+    _, s2 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 3, cfg, [2])
+    _, s3 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 4, cfg, [2])
     assert (s1.made, s2.made, s2.cached, s3.made) == (1, 0, 1, 1)
     assert abstract.clean_principles("use \\boxed{12} carefully") == "use [answer removed] carefully"
     assert abstract.clean_principles("a \\boxed{\\frac{1}{2}} b \\fbox{3}") == "a [answer removed] b [answer removed]"

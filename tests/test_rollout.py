@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cpu
 import prompts
-from grpo import cache_kwarg, hoist_common_prefix
+from forwards import cache_kwarg, hoist_common_prefix
 from rollout import generate_completions, shared_prefill
 
 QUESTIONS = ["What is 2 + 5?", "Tom has 12 apples and gets 3 more in total today. How many apples now?", "Is 7 odd?"]
@@ -112,13 +113,12 @@ def test_greedy_rows_and_row_limits_inside_one_sampling_call(tiny):
 @pytest.mark.parametrize("rows", [1, 2, 3, 64])
 def test_rows_first_linear_matches_nn_linear_on_few_rows(rows):
     """W·xᵀ gives x·Wᵀ + b to float rounding, for 3-d inputs (batch, positions, features), bias included."""
-    import models
 
     torch.manual_seed(rows)
     plain = torch.nn.Linear(40, 300)
     fast = torch.nn.Linear(40, 300)
     fast.load_state_dict(plain.state_dict())
-    assert models.rows_first_linears(torch.nn.Sequential(fast)) == 1
+    assert cpu.rows_first_linears(torch.nn.Sequential(fast)) == 1
     x = torch.randn(rows, 1, 40) if rows < 64 else torch.randn(16, 4, 40)
     with torch.no_grad():
         expected, got = plain(x), fast(x)
@@ -130,21 +130,20 @@ def test_rows_first_linear_matches_nn_linear_on_few_rows(rows):
 def test_rows_first_linear_leaves_training_and_large_forwards_bit_for_bit(monkeypatch):
     """Grad enabled (the update), more rows than max_rows (prefill), bf16 weights: nn.Linear's own path,
     exactly; a forward on few rows without grad takes the other path (its summation order shows in the bits)."""
-    import models
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(576, 2000, bias=False)
     reference = layer.weight.detach().clone()
-    models.rows_first_linears(torch.nn.Sequential(layer))
+    cpu.rows_first_linears(torch.nn.Sequential(layer))
     few = torch.randn(3, 576)
     assert not torch.equal(few @ reference.T, (reference @ few.T).T)  # the two paths can be told apart
     assert torch.equal(layer(few), few @ reference.T)  # grad enabled
     with torch.no_grad():
         assert torch.equal(layer(few), (reference @ few.T).T)
-        monkeypatch.setattr(models.RowsFirstLinear, "max_rows", 2)
+        monkeypatch.setattr(cpu.RowsFirstLinear, "max_rows", 2)
         assert torch.equal(layer(few), few @ reference.T)
         half = torch.nn.Linear(576, 8, bias=False).to(torch.bfloat16)
-        models.rows_first_linears(half)
+        cpu.rows_first_linears(half)
         assert torch.equal(half(few.bfloat16()), torch.nn.functional.linear(few.bfloat16(), half.weight))
 
 
@@ -157,7 +156,7 @@ def test_rows_first_linears_sample_the_same_completions(tiny_model_dir):
     plain = models.load_policy(str(tiny_model_dir), torch.float32).eval()
     fast = models.load_policy(str(tiny_model_dir), torch.float32).eval()
     linears = sum(type(m) is torch.nn.Linear for m in fast.modules())
-    assert models.rows_first_linears(fast) == linears == 2 * 7 + 1  # q k v o gate up down per layer, LM head
+    assert cpu.rows_first_linears(fast) == linears == 2 * 7 + 1  # q k v o gate up down per layer, LM head
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     texts = group_prompts(tokenizer, 2)
     for greedy in (False, True):

@@ -11,8 +11,10 @@ import pytest
 import torch
 from conftest import ROOT
 
+import cpu
 import lanpo
 import rundir
+import update
 
 
 def documented_metric_keys() -> set[str]:
@@ -159,8 +161,9 @@ FREE_AND_REALLOCATE = r"""
 import resource, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-import lanpo
-assert lanpo.keep_freed_host_memory(), "glibc's mallopt refused a setting"
+import cpu
+import lanpo  # noqa: F401 - the process as a run has it: everything lanpo.py imports loaded
+assert cpu.keep_freed_host_memory(), "glibc's mallopt refused a setting"
 def step():  # ten 8 MB blocks, written, then all freed: what an update does to its activations
     blocks = [torch.ones(2**21) for _ in range(10)]
     del blocks
@@ -187,7 +190,7 @@ def test_without_glibc_the_run_says_freed_memory_is_not_kept(tiny_model_dir, tmp
         raise OSError(f"{name}: cannot open shared object file")
 
     monkeypatch.setattr(ctypes, "CDLL", no_libc)
-    assert lanpo.keep_freed_host_memory() is False
+    assert cpu.keep_freed_host_memory() is False
     run(tiny_model_dir, tmp_path, "--steps", "1", "--eval-every", "0")
     assert "malloc is not glibc's" in capsys.readouterr().out
 
@@ -195,11 +198,9 @@ def test_without_glibc_the_run_says_freed_memory_is_not_kept(tiny_model_dir, tmp
 @pytest.mark.parametrize("flag", ["--cpu-rows-first-matmul", "--no-cpu-rows-first-matmul"])
 def test_cpu_runs_decode_with_rows_first_linears_unless_told_not_to(tiny_model_dir, tmp_path, graded_by_parity,
                                                                     monkeypatch, flag):
-    import models
-
     seen = []
-    real = models.rows_first_linears
-    monkeypatch.setattr(models, "rows_first_linears", lambda model: seen.append(real(model)) or seen[-1])
+    real = cpu.rows_first_linears
+    monkeypatch.setattr(cpu, "rows_first_linears", lambda model: seen.append(real(model)) or seen[-1])
     run(tiny_model_dir, tmp_path, "--steps", "1", "--eval-every", "0", flag)
     assert seen == ([2 * 7 + 1] if flag == "--cpu-rows-first-matmul" else [])
 
@@ -219,8 +220,8 @@ def _update_gradient(model, tokenizer, rows: list[tuple[str, str, bool]], advant
                        torch.zeros(len(rows)), torch.tensor(advantages))
     b = lanpo.update_batch(tokenizer, r, r.problems[:1], {}, cfg, [tokenizer.eos_token_id], world=1)
     model.zero_grad()
-    for mb in lanpo.micro_batches(model, None, b, cfg, tokenizer.pad_token_id, "cpu"):
-        lanpo.policy_gradient_loss(lanpo.forward(model, mb, cfg), mb, cfg, b.window, {}).backward()
+    for mb in update.micro_batches(model, None, b, cfg, tokenizer.pad_token_id, "cpu"):
+        update.policy_gradient_loss(update.forward(model, mb, cfg), mb, cfg, b.window, {}).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
@@ -272,9 +273,9 @@ def test_feedback_rollouts_trained_on_the_plain_prompt_weigh_each_token_as_state
                        [Completion(lanpo.token_ids(tokenizer, p), lanpo.token_ids(tokenizer, c), False, c)
                         for p, c in zip((plain, shown), completions)], torch.zeros(2), torch.tensor([1.0, -1.0]))
     b = lanpo.update_batch(tokenizer, r, r.problems[:1], {}, cfg, [tokenizer.eos_token_id], world=1)
-    (mb,) = lanpo.micro_batches(model, None, b, cfg, tokenizer.pad_token_id, "cpu")
+    (mb,) = update.micro_batches(model, None, b, cfg, tokenizer.pad_token_id, "cpu")
     stats = {}
-    lanpo.policy_gradient_loss(lanpo.forward(model, mb, cfg), mb, cfg, b.window, stats)
+    update.policy_gradient_loss(update.forward(model, mb, cfg), mb, cfg, b.window, stats)
     by_hand = (_logps(model, tokenizer, plain, completions[1]) - _logps(model, tokenizer, shown, completions[1])).exp()
     n_scratch = len(lanpo.token_ids(tokenizer, completions[0]))
     if grad == "strip":  # the ratio of the scratch rollout's tokens is 1
@@ -289,8 +290,36 @@ def test_feedback_rollouts_trained_on_the_plain_prompt_weigh_each_token_as_state
 
 def test_a_step_with_every_completion_masked_is_skipped_not_poisoned(tiny_model_dir, tmp_path, graded_by_parity):
     """The tiny model never stops within 8 tokens, so --mask-truncated leaves nothing in the loss: no update is
-    made (the weights stay the initial ones) and nothing is counted as a bad update (0/0 would have been NaN)."""
+    made (the weights stay the initial ones), nothing is counted as a bad update (0/0 would have been NaN), and
+    no update statistic is logged, as none was measured."""
     _, records = run(tiny_model_dir, tmp_path, "--mask-truncated", "--eval-every", "0")
-    assert all(r["truncated_frac"] == 1.0 and r["skipped_updates"] == 0 and r["loss"] == 0.0 for r in records)
+    assert all(r["truncated_frac"] == 1.0 and r["skipped_updates"] == 0 and r["time_update"] == 0.0 for r in records)
+    assert not any(key in r for r in records for key in ("loss", "entropy", "ratio_mean", "grad_norm"))
     before, after = _params(tiny_model_dir), _params(tmp_path / "run" / "final")
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_loss_term_added_as_the_readme_says_trains_and_logs(tiny_model_dir, tmp_path, graded_by_parity,
+                                                               monkeypatch):
+    """The README's recipe, followed literally with an entropy bonus: a function of (f, mb, cfg, window,
+    stats), appended to update.LOSS_TERMS, its loss recorded with add_loss. Through f.entropy_with_grad() it
+    changes the trained weights and its summed value is logged; the same term on f.entropy (a statistic
+    without a graph) would log a value and change nothing, which is why the contract names the difference."""
+    def entropy_bonus(f, mb, cfg, window, stats):
+        loss = -10.0 * f.entropy_with_grad().sum() / window["tokens"]
+        update.add_loss(stats, "entropy_bonus_loss", loss.item())
+        return loss
+
+    def entropy_bonus_without_graph(f, mb, cfg, window, stats):
+        return -10.0 * f.entropy.sum() / window["tokens"]
+
+    weights = {}
+    for name, terms in [("plain", []), ("bonus", [entropy_bonus]), ("no-graph", [entropy_bonus_without_graph])]:
+        monkeypatch.setattr(update, "LOSS_TERMS", [update.policy_gradient_loss, update.self_distill_loss, *terms])
+        _, records = run(tiny_model_dir, tmp_path / name, "--steps", "1", "--eval-every", "0")
+        weights[name] = _params(tmp_path / name / "run" / "final")
+    assert records and "entropy_bonus_loss" not in records[0]
+    first = json.loads((tmp_path / "bonus" / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["entropy_bonus_loss"] == pytest.approx(-10.0 * first["entropy"], rel=1e-3)  # one micro-batch
+    assert any(not torch.equal(weights["plain"][k], weights["bonus"][k]) for k in weights["plain"])
+    assert all(torch.equal(weights["plain"][k], weights["no-graph"][k]) for k in weights["plain"])

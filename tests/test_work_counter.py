@@ -38,7 +38,7 @@ def test_flops_of_a_forward_by_hand(tiny):
 
 
 def test_prompt_padding_of_the_update_is_counted_apart(tiny, monkeypatch):
-    import grpo
+    import forwards
     model, tokenizer = tiny
     cfg = model.config
     decoder = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
@@ -55,12 +55,12 @@ def test_prompt_padding_of_the_update_is_counted_apart(tiny, monkeypatch):
     try:
         work.counts.clear()
         with torch.no_grad():
-            grpo.completion_logits(model, ids, mask, 3, share_prompts=True)
+            forwards.completion_logits(model, ids, mask, 3, share_prompts=True)
         assert work.counts["update_padding_gflop_prompts"] * 1e9 == pytest.approx(forward2 / 2)
         assert work.counts["update_padding_gflop"] > work.counts["update_padding_gflop_prompts"]
         work.counts.clear()
         with torch.no_grad():  # one forward over whole rows: no prefix tree, nothing counted apart
-            grpo.completion_logits(model, ids, mask, 3)
+            forwards.completion_logits(model, ids, mask, 3)
         assert "update_padding_gflop_prompts" not in work.counts and work.counts["update_padding_gflop"] > 0
     finally:
         hook.remove()

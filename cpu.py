@@ -1,0 +1,73 @@
+"""CPU-only speed-ups, applied in one place (`speed_up`) by training, evaluation and the benches: glibc's malloc
+told to keep the memory a step frees (`keep_freed_host_memory`), and linear layers that compute few-row
+no-grad products as W·xᵀ (`RowsFirstLinear`). Neither changes what is computed beyond float summation order;
+GPU runs take neither.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def speed_up(model=None, rows_first: bool = True) -> bool:
+    """The process's malloc settings, and (with a model and rows_first) its rows-first linear layers; returns
+    whether malloc took the settings (glibc only)."""
+    kept = keep_freed_host_memory()
+    if model is not None and rows_first:
+        rows_first_linears(model)
+    return kept
+
+
+def keep_freed_host_memory() -> bool:
+    """Make glibc's malloc keep the memory a CPU step frees, for the next step; returns whether it could
+    (glibc only: not on macOS, musl or Windows).
+
+    By default malloc hands the free top of its heap back to the kernel past a threshold that adapts to
+    the blocks freed, so a policy update, which frees and re-allocates hundreds of MB of activations and
+    gradients, faults them back in page by page at every step. On the 2-core machine of the README's
+    benchmarks the kernel's time exceeded the compute (sys 104 s against user 75 s in six updates). Here:
+    no trimming, 1 GB of heap growth at a time, and a fixed 32 MB above which blocks are mapped (and
+    returned) on their own. The resident size stays at its peak instead of shrinking between steps."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # glibc's <malloc.h>
+    settings = ((m_trim_threshold, -1), (m_top_pad, 2**30), (m_mmap_threshold, 32 * 2**20))  # -1: never trim
+    return all([mallopt(param, value) == 1 for param, value in settings])
+
+
+class RowsFirstLinear(torch.nn.Linear):
+    """nn.Linear whose no-grad fp32 CPU forward on a few rows (decoding: one token per sequence) computes
+    W·xᵀ instead of x·Wᵀ. MKL runs the skinny x·Wᵀ 2-8x slower than the same product the other way round
+    (SmolLM2's 49152×576 LM head at 2 rows: 24.6 against 3.6 ms) and a matrix-vector product (one row) at a
+    third of a two-column product's speed, so one row is computed beside a zero row. The same dot products,
+    summed in another order: outputs agree to float rounding. Training forwards (grad enabled), larger
+    batches, other dtypes and devices take nn.Linear's own path, bit for bit."""
+
+    max_rows = 64  # measured crossover: at 256 rows x·Wᵀ is as fast or faster (bench/cpu_matmul.py)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if (torch.is_grad_enabled() or rows > self.max_rows or x.device.type != "cpu"
+                or self.weight.dtype != torch.float32):
+            return super().forward(x)
+        columns = x.reshape(rows, x.shape[-1])
+        if rows == 1:
+            columns = torch.cat([columns, torch.zeros_like(columns)])
+        y = (self.weight @ columns.T)[:, :rows].T.contiguous()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def rows_first_linears(model) -> int:
+    """Make every plain nn.Linear of `model` a RowsFirstLinear (faster CPU decoding, see there); the weights
+    and everything that refers to them stay as they are. Returns how many layers changed."""
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    for m in layers:
+        m.__class__ = RowsFirstLinear
+    return len(layers)
