@@ -4,10 +4,11 @@ lessons from similar problems) guiding exploration. One readable script: config,
     python lanpo.py                                # embedded SmolLM2-135M on built-in arithmetic, CPU
     accelerate launch lanpo.py --model Qwen2.5-7B --dataset math_train --eval-dataset math500 ...
 
-Read top to bottom: Config and its checks -> the steps of the algorithm -> the policy update (micro-batches,
-loss terms) -> setup() (data, model, optimizer, pool) -> train(), whose loop is the step: pick problems, build
-prompts, sample G rollouts each, grade, group advantages, policy update, remember, log/eval/checkpoint.
-Multi-process concerns live in distributed.py, the run directory in rundir.py, prompt texts in prompts.py.
+Read top to bottom: Config and its checks -> the steps of the algorithm (problems, prompts, what each rollout
+trains on, rewards, advantages) -> what a step logs -> setup() (data, model, optimizer, pool) -> train(), whose
+loop is the step: pick problems, build prompts, sample G rollouts each, grade, group advantages, policy update,
+remember, log/eval/checkpoint. The update itself (micro-batches, loss terms) is update.py; multi-process
+concerns live in distributed.py, the run directory in rundir.py, prompt texts in prompts.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""Every command the README quotes still runs as written: each is parsed by its own script's argument parser
-(nothing is run), so a renamed or removed flag fails here instead of in a reader's terminal."""
+"""Every command the README and docs/ quote still runs as written: each is parsed by its own script's argument
+parser (nothing is run), so a renamed or removed flag fails here instead of in a reader's terminal. The
+README's layout block names every file and folder of the top level and every bench script, and only those."""
 
 import argparse
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -48,7 +50,8 @@ class Parsed(Exception):
     pass
 
 
-COMMANDS = quoted_commands((ROOT / "README.md").read_text())
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+COMMANDS = sorted({c for doc in DOCUMENTS for c in quoted_commands(doc.read_text())})
 
 
 def test_the_readme_quotes_commands():
@@ -84,3 +87,20 @@ def test_an_unknown_flag_fails(monkeypatch):
         test_every_readme_command_parses("python lanpo.py --no-such-flag 1", monkeypatch)
     with pytest.raises(AssertionError, match="no recipe 'grpo-70b'"):
         test_every_readme_command_parses("./run.sh grpo-70b --steps 1", monkeypatch)
+
+
+def layout_block() -> str:
+    section = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1]
+    return re.search(r"```\n(.*?)```", section, flags=re.S).group(1)
+
+
+def test_the_layout_block_names_every_module_and_folder_and_nothing_else():
+    listed = {line.split()[0].split("/")[0] for line in layout_block().splitlines() if line and not line[0].isspace()}
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    top = {path.split("/")[0] for path in tracked}
+    needed = {name for name in top if name.endswith(".py") or (ROOT / name).is_dir()} | {"run.sh"}
+    assert needed - listed == set(), f"not in the README's layout block: {sorted(needed - listed)}"
+    assert listed - top == set(), f"in the layout block but not in the repository: {sorted(listed - top)}"
+    bench = layout_block().split("bench/", 1)[1].split("\ndata/", 1)[0]
+    unnamed = [p.stem for p in (ROOT / "bench").glob("*.py") if not re.search(rf"\b{p.stem}\b", bench)]
+    assert unnamed == [], f"bench scripts the layout block does not name: {unnamed}"
