@@ -9,6 +9,13 @@ the method, and GFLOP/s per phase shows which phases run slowly for their work (
 Also reports what the relevance judgement accepted, so that a speed flag that changes what the policy
 sees (--relevance-text problem, --abstract-ahead) is measured for its effect, not only its speed.
 
+The floor is a roofline: before the runs the bench measures this machine's fp32 matmul rate (peak compute) and
+copy bandwidth (a large tensor copied, bytes read and written), and each phase's least time is the larger of
+its FLOPs (padding left out) at the peak and the weights' bytes its forwards read at the bandwidth. Few-row
+decoding (the principles, sampling) is bound by the bytes: every decoding step reads all the weights. The
+floor ratio puts the difference of the two arms' least times on top of GRPO's measured step; the compute-only
+floor of earlier versions is printed beside it.
+
     python bench/lanpo_overhead.py                   # 2 rounds x 6 steps each, B=4, G=4
     python bench/lanpo_overhead.py --steps 3 --rounds 1          # smoke run
     python bench/lanpo_overhead.py --max-new-tokens 128          # longer completions: prompts weigh less
@@ -33,6 +40,33 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import stats  # noqa: E402
+
+
+def machine_peaks(seconds: float = 2.0) -> dict[str, float]:
+    """This machine's fp32 matmul rate (GFLOP/s, 1024 x 1024 products) and copy bandwidth (GB/s, a 256 MB
+    tensor copied: read plus written), each the best of repeated timings over about `seconds`."""
+    import time
+
+    import torch
+
+    def best(fn, work: float) -> float:
+        fn()  # warm-up
+        rates, t_end = [], time.perf_counter() + seconds
+        while time.perf_counter() < t_end or len(rates) < 3:
+            t0 = time.perf_counter()
+            fn()
+            rates.append(work / (time.perf_counter() - t0))
+        return max(rates)
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    src, dst = torch.randn(64 * 2**20), torch.empty(64 * 2**20)
+    return {"peak_gflop_s": best(lambda: a @ b, 2 * 1024**3 / 1e9),
+            "bandwidth_gb_s": best(lambda: dst.copy_(src), 2 * src.numel() * 4 / 1e9)}
+
+
+def roofline_s(gflop: float, weight_gb: float, peaks: dict[str, float]) -> float:
+    """A phase's least time: its FLOPs at the peak rate or its bytes at the bandwidth, whichever is longer."""
+    return max(gflop / peaks["peak_gflop_s"], weight_gb / peaks["bandwidth_gb_s"])
 
 
 def run(out: Path, feedback: str, args, extra: list[str]) -> list[dict]:
@@ -65,6 +99,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/lanpo_overhead.json")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lanpo_overhead_"))
+    peaks = machine_peaks()
     grpo, lanpo = [], []
     for r in range(args.rounds):
         grpo += run(work / f"grpo-{r}", "none", args, [])
@@ -117,7 +152,17 @@ def main() -> None:
     result["peak_gflop_s"] = max(result["work_gflop"][arm][p] / result["work_s"][arm][p] for arm in ("grpo", "lanpo")
                                  for p in phases if result["work_s"][arm][p] > 0)
     extra = float(np.median(useful(lanpo)) - np.median(useful(grpo)))
-    result["ratio_floor"] = 1 + extra / result["peak_gflop_s"] / result["grpo_step_s"]
+    result["ratio_floor_compute"] = 1 + extra / result["peak_gflop_s"] / result["grpo_step_s"]
+    # the roofline: per phase, FLOPs (padding left out) at the measured peak or weight bytes at the measured
+    # bandwidth, whichever takes longer; the peak is the matmul's or a phase's, whichever was faster
+    result["machine"] = {**peaks, "peak_gflop_s": max(peaks["peak_gflop_s"], result["peak_gflop_s"])}
+    result["weight_gb"] = {arm: {p: float(np.mean(timed(rs, f"work/{p}_weight_gb"))) for p in phases}
+                           for arm, rs in arms}
+    result["roofline_s"] = {arm: {p: roofline_s(result["work_gflop"][arm][p] - result["padding_gflop"][arm][p],
+                                                result["weight_gb"][arm][p], result["machine"]) for p in phases}
+                            for arm, _ in arms}
+    least = {arm: sum(result["roofline_s"][arm].values()) for arm, _ in arms}
+    result["ratio_floor"] = 1 + (least["lanpo"] - least["grpo"]) / result["grpo_step_s"]
     result["ratio"] = result["lanpo_step_s"] / result["grpo_step_s"]
     result["ratio_95"] = stats.median_ratio_interval(timed(lanpo, "time_step"), timed(grpo, "time_step"))
     print(f"B={args.batch_problems} G={args.group_size}, {args.max_new_tokens} new tokens, {args.rounds} rounds x "
@@ -134,8 +179,21 @@ def main() -> None:
     print(f"without padding: GRPO {np.median(useful(grpo)):.0f}, LANPO {np.median(useful(lanpo)):.0f}, ratio "
           f"{result['useful_work_ratio']:.2f} ({result['useful_work_ratio_95'][0]:.2f}-"
           f"{result['useful_work_ratio_95'][1]:.2f})")
-    print(f"floor: LANPO's extra work at the fastest rate measured here ({result['peak_gflop_s']:.0f} GFLOP/s) on top "
-          f"of GRPO's step gives a ratio of at least {result['ratio_floor']:.2f}")
+    m = result["machine"]
+    print(f"machine: {m['peak_gflop_s']:.0f} GFLOP/s fp32 peak, {m['bandwidth_gb_s']:.1f} GB/s copy bandwidth")
+    print(f"floor (roofline): LANPO's least time over GRPO's, on top of GRPO's step: ratio at least "
+          f"{result['ratio_floor']:.2f}; LANPO's measured ratio is {result['ratio'] / result['ratio_floor']:.2f}x "
+          f"that floor (compute only, as before: {result['ratio_floor_compute']:.2f})")
+    print("least seconds a step by phase (roofline: FLOPs at the peak or weight bytes at the bandwidth) and the "
+          "measured seconds: GRPO, LANPO")
+    for p in phases:
+        cells = []
+        for arm in ("grpo", "lanpo"):
+            useful_gflop = result["work_gflop"][arm][p] - result["padding_gflop"][arm][p]
+            bound = "bytes" if result["weight_gb"][arm][p] / m["bandwidth_gb_s"] > useful_gflop / m["peak_gflop_s"] \
+                else "flops"
+            cells.append(f"{result['roofline_s'][arm][p]:5.2f} ({bound}) vs {result['work_s'][arm][p]:5.2f}")
+        print(f"  {p:11s} " + "   ".join(cells))
     print("GFLOP a step (mean; of it padding) and GFLOP/s: GRPO, LANPO")
     for p in phases:
         g, lw = result["work_gflop"]["grpo"][p], result["work_gflop"]["lanpo"][p]

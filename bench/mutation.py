@@ -1,5 +1,5 @@
-"""Mutation score of the modules the method's correctness rests on (grpo.py, reflect.py, pool.py, distill.py,
-prompts.py), measured with mutmut: each mutant changes one operator, constant, argument or string, and runs
+"""Mutation score of the modules the method's correctness rests on (grpo.py, forwards.py, reflect.py, pool.py,
+distill.py, prompts.py), measured with mutmut: each mutant changes one operator, constant, argument or string, and runs
 against the tests that reach the mutated function; a mutant that no test notices has survived. Prints, per
 module, the mutants, how many the tests killed and the score (killed, or timed out, over all), writes the
 survivors' names to --out (`mutmut show NAME` in --work prints a survivor's diff).
@@ -8,7 +8,7 @@ The tests are the unit tests: those that train or evaluate a whole run (they tak
 are left out, so a mutant is judged in seconds; a mutant only a whole run reaches counts as not killed here.
 
     pip install mutmut==3.8.1           # benchmark-only dependency
-    python bench/mutation.py            # all five modules; ~40 min on 2 cores
+    python bench/mutation.py            # all six modules; over an hour on 2 cores
     python bench/mutation.py --modules reflect.py pool.py
 
 It works in a copy of the repository under --work (mutmut writes its config and mutants/ there): the checkout
@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["grpo.py", "reflect.py", "pool.py", "distill.py", "prompts.py"]
+MODULES = ["grpo.py", "forwards.py", "reflect.py", "pool.py", "distill.py", "prompts.py"]
 TESTS = ["tests/test_grpo.py", "tests/test_lanpo.py", "tests/test_prompts.py", "tests/test_distill.py",
          "tests/test_train.py", "tests/test_evaluate.py", "tests/test_data.py", "tests/test_rollout.py"]
 UNIT_ONLY = '''"""pytest plugin of bench/mutation.py: leave out the tests that train or evaluate a whole run (those

@@ -6,18 +6,19 @@ slowly).
 
     python bench/work.py <lanpo.py flags>       # lanpo.py as usual; each metrics line gains work/* fields
 
-Per step, each phase p (sampling, principles, relevance, retrieval, update, eval, other) adds
-`work/p_gflop` (padding included, as computed), `work/p_padding_gflop` (the part spent on padding: mask-0
-positions, and decoding rows that have already stopped), `work/p_tokens` (token positions computed) and
-`work/p_decode_rows` (forwards of one new token per row: decoding). `work/update_padding_gflop_prompts` is the
-part of the update's padding in forward (2) of the prompt prefix tree (`forwards.shared_prompt_logits`: distinct
-prompts padded to the longest of their micro-batch); its name does not end in _gflop, so that sums over the
-phases' keys do not count it again. A forward of T new tokens over K key
-columns (the attention mask's width, padding and cache included, as computed) counts 2 x (the parameters of
-the decoder layers) per token, 4 x layers x hidden x K per token for attention, and 2 x vocab x hidden per
-position the LM head computes; x3 under grad (the backward costs twice the forward). Layer norms, rotary
-embeddings and the softmax are left out (under 1 % of a forward at these sizes). Padding's share of a forward
-is counted as its share of the positions.
+Per step, each phase p (sampling, principles, relevance, retrieval, update, eval, other) adds `work/p_gflop`
+(padding included, as computed), `work/p_padding_gflop` (the part spent on padding: mask-0 positions, and decoding
+rows that have already stopped), `work/p_tokens` (token positions computed) and `work/p_decode_rows` (forwards of
+one new token per row: decoding) and `work/p_weight_gb` (the weights' bytes each forward must read: once a forward,
+x3 under grad, where the backward reads them again and writes their gradient; activations, KV cache and optimizer
+state left out, so a lower bound). `work/update_padding_gflop_prompts` is the part of the update's padding in
+forward (2) of the prompt prefix tree (`forwards.shared_prompt_logits`: distinct prompts padded to the longest of
+their micro-batch); its name does not end in _gflop, so that sums over the phases' keys do not count it again. A
+forward of T new tokens over K key columns (the attention mask's width, padding and cache included, as computed)
+counts 2 x (the parameters of the decoder layers) per token, 4 x layers x hidden x K per token for attention, and 2
+x vocab x hidden per position the LM head computes; x3 under grad (the backward costs twice the forward). Layer
+norms, rotary embeddings and the softmax are left out (under 1 % of a forward at these sizes). Padding's share of a
+forward is counted as its share of the positions.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lanpo  # noqa: E402
 
 # (file, function) on the stack -> phase; the innermost match wins (relevance runs inside lessons_for)
-PHASES = {("lanpo.py", "sample"): "sampling", ("lanpo.py", "policy_update"): "update",
+PHASES = {("lanpo.py", "sample"): "sampling", ("update.py", "policy_update"): "update",
           ("lanpo.py", "evaluate_accuracy"): "eval", ("abstract.py", "relevance_scores"): "relevance",
           ("abstract.py", "lessons_for"): "principles", ("abstract.py", "embed"): "retrieval"}
 counts: collections.Counter = collections.Counter()
@@ -60,6 +61,7 @@ def counter(model, stop_ids: set[int]):
     layers = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
     head = cfg.vocab_size * cfg.hidden_size
     attention = 4 * cfg.num_hidden_layers * cfg.hidden_size
+    weight_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
 
     def count(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -84,6 +86,7 @@ def counter(model, stop_ids: set[int]):
         if phase == "update" and keep == 1 and keys > new:
             counts["update_padding_gflop_prompts"] += padding
         counts[f"{phase}_tokens"] += rows * new
+        counts[f"{phase}_weight_gb"] += weight_gb * (3 if torch.is_grad_enabled() else 1)
         if new == 1:
             counts[f"{phase}_decode_rows"] += rows
     return count

@@ -18,6 +18,7 @@ from test_train import _params
 import grpo
 import lanpo
 import math_grader
+import update
 from pool import ExperiencePool, Trial
 
 RUNNER = """
@@ -110,7 +111,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tiny_model_dir, tmp_pa
 def test_zero_advantage_groups_can_be_left_out(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(math_grader, "grade", lambda response, gold, timeout=5.0: 1.0)  # every group all-equal
     records = _run(tiny_model_dir, tmp_path / "run", "--drop-zero-adv-groups")
-    assert all(r["zero_adv_group_frac"] == 1.0 and r["time_update"] == 0.0 and r["grad_norm"] == 0.0 for r in records)
+    assert all(r["zero_adv_group_frac"] == 1.0 and r["time_update"] == 0.0 and "grad_norm" not in r for r in records)
     before, after = _params(tiny_model_dir), _params(tmp_path / "run" / "final")
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -124,7 +125,7 @@ def test_out_of_memory_says_what_to_change(tiny_model_dir, tmp_path, monkeypatch
         _run(tiny_model_dir, tmp_path / "a")
     monkeypatch.undo()
     monkeypatch.setattr(math_grader, "grade", fake_grade)
-    monkeypatch.setattr(lanpo, "policy_update", oom)
+    monkeypatch.setattr(update, "policy_update", oom)
     with pytest.raises(SystemExit, match=r"out of memory during the policy update: try --micro-batch 2"):
         _run(tiny_model_dir, tmp_path / "b")
 

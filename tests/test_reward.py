@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+from test_train import documented_metric_keys
 
 import evaluate
 import lanpo
@@ -96,6 +97,7 @@ def test_training_and_evaluation_use_the_reward_function(tiny_model_dir, tmp_pat
     by_step = [[t.reward for t in trials if t.step == s] for s in (1, 2)]
     assert [r["reward_mean"] for r in records] == pytest.approx([sum(r) / len(r) for r in by_step])
     assert [r["reward_failures"] for r in records] == [0, 0]
+    assert set(records[0]) - {"step"} <= documented_metric_keys()  # reward_failures is in docs/metrics.md
 
     summary = evaluate.main(["--model", str(out / "final"), "--benchmarks", "synthetic:arith", "--limit", "3",
                              "--max-new-tokens", "8", "--reward", "test_reward:shaped", "--mode", "zero-shot",

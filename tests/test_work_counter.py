@@ -29,9 +29,12 @@ def test_flops_of_a_forward_by_hand(tiny):
         assert work.counts["other_gflop"] * 1e9 == pytest.approx(forward)
         assert work.counts["other_padding_gflop"] * 1e9 == pytest.approx(forward / 10)
         assert work.counts["other_tokens"] == 10
+        weights = sum(p.numel() for p in model.parameters()) * 4  # fp32: every weight read once a forward
+        assert work.counts["other_weight_gb"] * 1e9 == pytest.approx(weights)
         work.counts.clear()
         model(input_ids=ids, attention_mask=mask, logits_to_keep=1)  # under grad: forward and backward
         assert work.counts["other_gflop"] * 1e9 == pytest.approx(3 * forward)
+        assert work.counts["other_weight_gb"] * 1e9 == pytest.approx(3 * weights)
     finally:
         hook.remove()
         work.counts.clear()
@@ -86,3 +89,22 @@ def test_a_runs_work_is_attributed_to_its_phases(tiny_model_dir, tmp_path, grade
         assert r["work/sampling_decode_rows"] >= 8 and r["work/update_gflop"] > 2 * r["work/sampling_gflop"] / 8
     assert not work.counts  # the counter is reset, and lanpo is unpatched after the run
     assert work.lanpo.setup.__name__ == "setup"
+
+
+def test_every_phase_names_a_function_that_exists():
+    """The phases are found by (file, function) on the stack: a function moved to another module would
+    silently count its work as "other" (the update's did, when it moved to update.py, until this test)."""
+    import re
+
+    for (file, function), phase in work.PHASES.items():
+        assert re.search(rf"^\s*def {function}\(", (ROOT / file).read_text(), flags=re.M), (file, function, phase)
+
+
+def test_the_roofline_takes_the_slower_of_compute_and_bytes():
+    import lanpo_overhead
+
+    peaks = {"peak_gflop_s": 100.0, "bandwidth_gb_s": 10.0}
+    assert lanpo_overhead.roofline_s(50.0, 1.0, peaks) == pytest.approx(0.5)   # compute-bound: 50 GFLOP at 100/s
+    assert lanpo_overhead.roofline_s(10.0, 2.0, peaks) == pytest.approx(0.2)   # bytes-bound: 2 GB at 10 GB/s
+    measured = lanpo_overhead.machine_peaks(seconds=0.2)
+    assert measured["peak_gflop_s"] > 1 and measured["bandwidth_gb_s"] > 0.5  # a real machine's rates, positive
