@@ -36,7 +36,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-import lanpo, math_grader, prompts
+import cpu, lanpo, math_grader, prompts
 cpu.speed_up()  # the malloc settings lanpo.py makes on CPU: compare the trainers, not allocators
 
 args = json.loads(sys.argv[1])
