@@ -169,9 +169,9 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
                     cfg) -> PendingLessons:
     """Steps 1 and 2 (candidates, relevance) for each problem whose cache entry is missing or older than
     --abstract-refresh steps; cache hits are served as they are. What is left to generate is in `requests`.
-    cfg (lanpo.Config) gives K (--inter-candidates), gamma (--relevance-threshold), --inter-mode,
+    cfg (lanpo.Config) gives K (--abstract-candidates), gamma (--relevance-threshold), --abstract-mode,
     --attempt-tokens, --relevance-text and --share-prefill."""
-    gamma, mode = cfg.relevance_threshold, cfg.inter_mode
+    gamma, mode = cfg.relevance_threshold, cfg.abstract_mode
     stats = AbstractionStats()
     lessons: dict[str, str] = {}
     todo: list[tuple[dict, list[Trial]]] = []
@@ -185,7 +185,7 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
                 lessons[p["id"]] = hit["lessons"]
             stats.cached += 1
             continue
-        found = pool.similar(p["problem"], cfg.inter_candidates, exclude_id=p["id"])
+        found = pool.similar(p["problem"], cfg.abstract_candidates, exclude_id=p["id"])
         shown = [best_trial(trials) for _, trials in found]
         shown = [Trial(t.problem_id, t.problem, t.kind, t.context, shorten(t.response, tokenizer, cfg.attempt_tokens),
                        t.reward, t.step) for t in shown]
@@ -238,7 +238,7 @@ def finish_lessons(pending: PendingLessons, outs: list, cache: dict, step: int, 
 
 def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, cfg,
                 eos_ids: list[int]) -> tuple[dict[str, str], AbstractionStats]:
-    """Lessons (principles, or raw trajectories under --inter-mode raw) for each problem that has relevant
+    """Lessons (principles, or raw trajectories under --abstract-mode raw) for each problem that has relevant
     experience in the pool; problems without any are absent from the result. cfg is lanpo.Config: besides
     prepare_lessons' settings, principles are generated greedily up to --abstract-max-tokens, --gen-batch
     prompts a call.
@@ -257,7 +257,7 @@ def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], ca
         outs = generate_completions(model, tokenizer, pending.requests, eos_ids=eos_ids,
                                     max_new_tokens=cfg.abstract_max_tokens, greedy=True, batch_size=cfg.gen_batch,
                                     share_prefill=cfg.share_prefill)
-    lessons = finish_lessons(pending, outs, cache, step, cfg.inter_mode)
+    lessons = finish_lessons(pending, outs, cache, step, cfg.abstract_mode)
     pending.stats.time_abstraction = time.perf_counter() - t0
     return lessons, pending.stats
 

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -162,8 +163,9 @@ class Config:
     max_bad_updates: int = _f(3, "stop after this many optimizer updates in a row with a non-finite loss or gradient "
                               "(each one is skipped, not applied)")
     # --- LANPO: language feedback for exploration
-    feedback: str = _f("both", "language feedback: none (plain GRPO), intra (reflection on own earlier attempts), "
-                       "inter (principles from similar problems), both", choices=["none", "intra", "inter", "both"])
+    feedback: str = _f("both", "language feedback: none (plain GRPO), reflect (intra-sample: reflection on the "
+                       "model's own earlier attempts), abstract (inter-sample: principles from similar problems), "
+                       "both", choices=["none", "reflect", "abstract", "both"])
     feedback_ratio: float = _f(0.5, "rho: share of each group's G rollouts that get feedback when it exists "
                                "(round(rho*G), halves up); the rest start from scratch")
     feedback_grad: str = _f("context", "train feedback rollouts on the prompt they were sampled with (context); "
@@ -181,9 +183,9 @@ class Config:
                              choices=["scratch", "any"], evaluation=True)
     attempt_tokens: int = _f(160, "token budget per shown attempt or experience (beginning and end kept)",
                              evaluation=True)
-    inter_mode: str = _f("principles", "inter-sample feedback: principles (LANPO) or raw trajectories (ablation)",
-                         choices=["principles", "raw"], evaluation=True)
-    inter_candidates: int = _f(3, "K: similar problems retrieved from the pool per problem", evaluation=True)
+    abstract_mode: str = _f("principles", "what abstraction shows: principles (LANPO) or the raw retrieved "
+                            "trajectories (ablation)", choices=["principles", "raw"], evaluation=True)
+    abstract_candidates: int = _f(3, "K: similar problems retrieved from the pool per problem", evaluation=True)
     relevance_threshold: float = _f(0.9, "gamma: keep a candidate when P(Yes | relevant?) >= gamma; 0 keeps all",
                                     evaluation=True)
     relevance_text: str = _f("experience", "what the relevance judgement reads of a candidate: its problem and shown "
@@ -222,13 +224,13 @@ class Config:
 
     @property
     def uses_reflection(self) -> bool:
-        """--feedback intra or both: a rollout may be shown the model's earlier attempts at its problem."""
-        return self.feedback in ("intra", "both")
+        """--feedback reflect or both: a rollout may be shown the model's earlier attempts at its problem."""
+        return self.feedback in ("reflect", "both")
 
     @property
     def uses_abstraction(self) -> bool:
-        """--feedback inter or both: a rollout may be shown principles from similar other problems."""
-        return self.feedback in ("inter", "both")
+        """--feedback abstract or both: a rollout may be shown principles from similar other problems."""
+        return self.feedback in ("abstract", "both")
 
 
 def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
@@ -249,11 +251,32 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -
             parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"], **extra)
 
 
+def current_spelling(argv: list[str]) -> list[str]:
+    """argv with the flags and --feedback values of earlier versions (rundir.RENAMED_*) in today's spelling, each
+    said in one line: `--feedback intra` is `--feedback reflect`, `--inter-mode` is `--abstract-mode`."""
+    out, old_flags = [], {"--" + a.replace("_", "-"): "--" + b.replace("_", "-")
+                          for a, b in rundir.RENAMED_SETTINGS.items()}
+    for i, word in enumerate(argv):
+        flag, eq, value = word.partition("=")
+        if flag in old_flags:
+            print(f"{flag} is now {old_flags[flag]} (the old spelling still works)", file=sys.stderr)
+            word = old_flags[flag] + eq + value
+        elif i and argv[i - 1] == "--feedback" or flag == "--feedback" and eq:
+            new = rundir.RENAMED_VALUES["feedback"].get(value if eq else word)
+            if new is not None:
+                print(f"--feedback {value if eq else word} is now --feedback {new} (the old value still works)",
+                      file=sys.stderr)
+                word = f"--feedback={new}" if eq else new
+        out.append(word)
+    return out
+
+
 def parse_config(argv: list[str] | None = None) -> Config:
     """Command line -> Config, checked."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_flags(parser)
+    argv = current_spelling(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
     if args.resume:  # the run's saved settings become the defaults: only flags given can differ from them
         run_dir = args.out_dir if args.resume is True else args.resume
@@ -275,8 +298,8 @@ def check_config(cfg: Config) -> None:
         raise SystemExit("--group-size must be >= 2: GRPO's advantage compares rollouts of one problem")
     for name in ("steps", "batch_problems", "synthetic_size", "max_new_tokens", "ppo_epochs", "gen_batch", "keep_last",
                  "micro_batch", "update_chunks", "max_bad_updates", "reflect_attempts", "attempt_tokens",
-                 "inter_candidates", "abstract_refresh", "abstract_max_tokens", "pool_per_problem", "pool_max_problems",
-                 "lora_alpha", "max_prompt_tokens"):
+                 "abstract_candidates", "abstract_refresh", "abstract_max_tokens", "pool_per_problem",
+                 "pool_max_problems", "lora_alpha", "max_prompt_tokens"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if rollouts % cfg.micro_batch:
@@ -307,10 +330,10 @@ def check_config(cfg: Config) -> None:
         raise SystemExit(f"{', '.join(scratch_needed)} need from-scratch rollouts in every group, but --feedback-ratio "
                          f"{cfg.feedback_ratio} gives feedback to all {cfg.group_size}: lower it")
     if cfg.self_distill_coef > 0 and cfg.feedback == "none":
-        raise SystemExit("--self-distill-coef needs a teacher shown feedback: use --feedback intra, inter or both")
-    if cfg.feedback_model_coef > 0 and (not cfg.uses_abstraction or cfg.inter_mode != "principles"):
-        raise SystemExit("--feedback-model-coef models the principles text: it needs --feedback inter or both and "
-                         "--inter-mode principles (reward-agnostic reflection has no critique text to model)")
+        raise SystemExit("--self-distill-coef needs a teacher shown feedback: use --feedback reflect, abstract or both")
+    if cfg.feedback_model_coef > 0 and (not cfg.uses_abstraction or cfg.abstract_mode != "principles"):
+        raise SystemExit("--feedback-model-coef models the principles text: it needs --feedback abstract or both and "
+                         "--abstract-mode principles (reward-agnostic reflection has no critique text to model)")
 
 
 def drop_long_prompts(rows: list[dict], tokenizer, cfg: Config, skipped) -> list[dict]:
@@ -405,7 +428,7 @@ def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons
                 one_shot=cfg.one_shot, **labels)
         if "abstract" in kinds or (teach and can_abstract):
             context = lessons[problem["id"]]
-            request = prompts.abstraction_request(problem["problem"], context, raw=cfg.inter_mode == "raw")
+            request = prompts.abstraction_request(problem["problem"], context, raw=cfg.abstract_mode == "raw")
             by_kind["abstract"] = (prompts.render_prompt(tokenizer, request, cfg.one_shot), context)
         teacher = by_kind.get("reflect", by_kind.get("abstract", ("", "")))[0] if teach else ""
         for kind in kinds:
@@ -849,7 +872,7 @@ def sample(run: Run, rollout_prompts: list[Prompt], pending: abstract.PendingLes
                                     temperature=cfg.temperature, top_p=cfg.top_p, greedy=greedy,
                                     batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill)
     if pending is not None:
-        abstract.finish_lessons(pending, outs[len(rollout_prompts):], run.lessons_cache, step + 1, cfg.inter_mode)
+        abstract.finish_lessons(pending, outs[len(rollout_prompts):], run.lessons_cache, step + 1, cfg.abstract_mode)
         share_lessons(run, [p for p, _ in pending.todo])
     return outs[:len(rollout_prompts)]
 

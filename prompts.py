@@ -132,7 +132,7 @@ def principles_request(problem: str, experiences: list[Trial]) -> str:
 
 
 def raw_experience_block(experiences: list[Trial]) -> str:
-    """ABLATION (`--inter-mode raw`): the retrieved trajectories themselves."""
+    """ABLATION (`--abstract-mode raw`): the retrieved trajectories themselves."""
     return "\n\n".join(f"Related problem: {t.problem}\nA solution: {t.response}" for t in experiences)
 
 

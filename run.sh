@@ -109,12 +109,12 @@ case "$recipe" in
     matrix=$(cat <<'MATRIX'
 grpo            --feedback none
 lanpo           --feedback both
-intra-only      --feedback intra
-inter-only      --feedback inter
-leak-reward     --feedback intra --reflect-mode with-reward
-leak-gold       --feedback intra --reflect-mode with-gold
+reflect-only    --feedback reflect
+abstract-only   --feedback abstract
+leak-reward     --feedback reflect --reflect-mode with-reward
+leak-gold       --feedback reflect --reflect-mode with-gold
 reflect-any     --feedback both --reflect-source any
-inter-raw       --feedback inter --inter-mode raw
+abstract-raw    --feedback abstract --abstract-mode raw
 no-relevance    --feedback both --relevance-threshold 0
 relevance-problem --feedback both --relevance-text problem
 abstract-ahead  --feedback both --abstract-ahead

@@ -173,13 +173,28 @@ def unstarted_run(out_dir: Path) -> bool:
     return left and not checkpoint_dirs(out_dir) and not (out_dir / "final").exists()
 
 
+# settings earlier versions named otherwise: a run saved by one resumes, and their flags still parse
+RENAMED_SETTINGS = {"inter_mode": "abstract_mode", "inter_candidates": "abstract_candidates"}
+RENAMED_VALUES = {"feedback": {"intra": "reflect", "inter": "abstract"}}
+
+
+def read_settings(out_dir: Path) -> dict:
+    """The run's config.json in today's names and values ({} when it has none)."""
+    saved = json.loads((out_dir / "config.json").read_text())
+    saved = {RENAMED_SETTINGS.get(name, name): value for name, value in saved.items()}
+    for name, values in RENAMED_VALUES.items():
+        if name in saved:
+            saved[name] = values.get(saved[name], saved[name])
+    return saved
+
+
 def saved_settings(out_dir: Path, known: list[str]) -> dict:
     """The settings of the run in out_dir (its config.json; {} when it has none, which check_out_dir reports),
     less where it is and that it was resumed. A setting this version of lanpo does not know stops here: the
     run cannot be continued as it was."""
     path = out_dir / "config.json"
     try:
-        saved = json.loads(path.read_text())
+        saved = read_settings(out_dir)
     except FileNotFoundError:
         return {}
     except (OSError, json.JSONDecodeError) as e:
@@ -224,8 +239,7 @@ def check_out_dir(cfg, out_dir: Path) -> Path | None:
 def changed_settings(cfg, out_dir: Path) -> str:
     """The settings of cfg that differ from the run in out_dir (its config.json) and would change its
     training, as "--flag value (the run has value), ..."; "" when none do."""
-    saved_path = out_dir / "config.json"
-    saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
+    saved = read_settings(out_dir) if (out_dir / "config.json").exists() else {}
     changed = [name for name, value in dataclasses.asdict(cfg).items()
                if name in saved and name not in RESUMABLE and saved[name] != value]
     if saved.get("steps", cfg.steps) != cfg.steps and cfg.lr_schedule != "constant":

@@ -133,7 +133,7 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, cfg, eos_ids: l
     for row in rows:
         request = prompts.problem_request(row["problem"])
         if row["id"] in lessons:
-            request = prompts.abstraction_request(row["problem"], lessons[row["id"]], raw=cfg.inter_mode == "raw")
+            request = prompts.abstraction_request(row["problem"], lessons[row["id"]], raw=cfg.abstract_mode == "raw")
         texts.append(prompts.render_prompt(tokenizer, request, cfg.one_shot))
     if mode == "reflect" and first_turn is not None:
         records = [dict(r) for r in first_turn]

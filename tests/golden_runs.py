@@ -24,7 +24,7 @@ RUNS = {  # name -> flags: between them, every branch of the training step
                           "--warmup-steps", "1", "--self-distill-coef", "0.1", "--feedback-model-coef", "0.1"],
     "distill-drop": ["--feedback", "both", "--feedback-grad", "distill", "--drop-zero-adv-groups",
                      "--loss-type", "dapo", "--adv-scale", "batch"],
-    "strip-intra": ["--feedback", "intra", "--feedback-grad", "strip", "--loss-type", "dr_grpo",
+    "strip-reflect": ["--feedback", "reflect", "--feedback-grad", "strip", "--loss-type", "dr_grpo",
                     "--self-distill-coef", "0.1", "--self-distill-div", "jsd", "--eps-high", "0.28"],
     # gamma between the tiny model's two relevance scores in this run (0.5321 kept at step 2, 0.5312 not at step 3)
     "relevance-any": ["--feedback", "both", "--relevance-threshold", "0.5316", "--reflect-source", "any",

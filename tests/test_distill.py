@@ -223,7 +223,7 @@ def test_config_errors_name_the_flag():
     with pytest.raises(SystemExit, match="need from-scratch rollouts"):
         lanpo.parse_config(["--feedback-grad", "distill", "--feedback-ratio", "1"])
     with pytest.raises(SystemExit, match="models the principles text"):
-        lanpo.parse_config(["--feedback-model-coef", "1", "--feedback", "intra"])
+        lanpo.parse_config(["--feedback-model-coef", "1", "--feedback", "reflect"])
     with pytest.raises(SystemExit, match="needs a teacher"):
         lanpo.parse_config(["--self-distill-coef", "1", "--feedback", "none"])
     with pytest.raises(SystemExit, match="--self-distill-topk must be >= 0"):
@@ -277,11 +277,11 @@ def test_self_distillation_and_feedback_modelling_log_their_terms(tiny_model_dir
 
 
 def test_distill_trains_feedback_rollouts_on_the_plain_prompt(tiny_model_dir, tmp_path, graded_by_parity):
-    records = _run(tiny_model_dir, tmp_path / "distill", "--feedback", "intra", "--feedback-grad", "distill",
+    records = _run(tiny_model_dir, tmp_path / "distill", "--feedback", "reflect", "--feedback-grad", "distill",
                    "--ppo-epochs", "2")
     assert "distill_is_weight" not in records[0]  # step 1: every rollout from scratch
     assert "distill_is_weight" in records[2]  # its value against a hand computation: test_train.py
-    uncapped = _run(tiny_model_dir, tmp_path / "uncorrected", "--feedback", "intra", "--feedback-grad", "distill",
+    uncapped = _run(tiny_model_dir, tmp_path / "uncorrected", "--feedback", "reflect", "--feedback-grad", "distill",
                     "--ppo-epochs", "2", "--distill-is-cap", "0")
     assert uncapped[2]["distill_is_weight"] == 1.0
     # without any feedback rollout, distill is GRPO: same advantages, same update

@@ -217,7 +217,7 @@ def test_evaluation_reflects_with_the_prompt_training_builds(tiny, tiny_model_di
     pool.add([Trial("p", row["problem"], "scratch", "", ATTEMPT, 0.0, 1)])
 
     def training(*f):
-        cfg = lanpo.parse_config(["--feedback", "intra", "--feedback-ratio", "1", *f])
+        cfg = lanpo.parse_config(["--feedback", "reflect", "--feedback-ratio", "1", *f])
         return lanpo.build_prompts(tokenizer, [row], pool, {}, cfg)[0]
 
     assert training(*flags).kind == "reflect"
@@ -227,10 +227,10 @@ def test_evaluation_reflects_with_the_prompt_training_builds(tiny, tiny_model_di
 
 
 # on top of raw trajectories at gamma 0 (the lessons are then text the flags shape, not a tiny model's output)
-ABSTRACTION_FLAGS = [[], ["--inter-mode", "principles"], ["--inter-candidates", "1"], ["--attempt-tokens", "6"],
+ABSTRACTION_FLAGS = [[], ["--abstract-mode", "principles"], ["--abstract-candidates", "1"], ["--attempt-tokens", "6"],
                      ["--no-one-shot"], ["--relevance-threshold", "0.5308"],
                      ["--relevance-threshold", "0.5308", "--relevance-text", "problem"],
-                     ["--retriever", "policy", "--inter-candidates", "1"], ["--pool-per-problem", "1"]]
+                     ["--retriever", "policy", "--abstract-candidates", "1"], ["--pool-per-problem", "1"]]
 
 
 @pytest.mark.parametrize("flags", ABSTRACTION_FLAGS, ids=lambda f: " ".join(f) or "default")
@@ -247,10 +247,10 @@ def test_evaluation_abstracts_with_the_prompt_training_builds(tiny, tiny_model_d
         saved.add([Trial(f"t{i}", f"What is {i} + 2?", "scratch", "", answer.format(i=i, r=i + 2, w=i + 3), reward,
                          step) for i in range(3)])
     saved.save(tmp_path / "pool.jsonl")
-    base = ["--relevance-threshold", "0", "--inter-mode", "raw"]
+    base = ["--relevance-threshold", "0", "--abstract-mode", "raw"]
 
     def training(*f):
-        cfg = lanpo.parse_config(["--feedback", "inter", "--feedback-ratio", "1", "--abstract-max-tokens", "6", *f])
+        cfg = lanpo.parse_config(["--feedback", "abstract", "--feedback-ratio", "1", "--abstract-max-tokens", "6", *f])
         index = EmbeddingIndex(abstract.hidden_state_embedder(model, tokenizer)) if cfg.retriever == "policy" else None
         pool = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index)  # as lanpo.setup builds it
         pool.load(tmp_path / "pool.jsonl")

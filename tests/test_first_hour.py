@@ -107,12 +107,12 @@ def test_resume_refuses_changed_training_settings_and_allows_the_rest(no_model, 
 
 
 def test_resume_dir_alone_takes_the_runs_saved_settings(no_model, tmp_path):
-    run = _fake_run(tmp_path, lr="1e-05", group_size=8, feedback="intra", max_new_tokens=12)
+    run = _fake_run(tmp_path, lr="1e-05", group_size=8, feedback="reflect", max_new_tokens=12)
     config = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({**config, "one_shot": False, "report_to": "none"}))
     cfg = lanpo.parse_config(["--resume", str(run)])
     assert (cfg.out_dir, cfg.resume, cfg.lr, cfg.group_size, cfg.feedback, cfg.max_new_tokens, cfg.one_shot) == \
-        (str(run), True, 1e-05, 8, "intra", 12, False)
+        (str(run), True, 1e-05, 8, "reflect", 12, False)
     assert lanpo.parse_config(["--out-dir", str(run), "--resume"]) == cfg  # bare --resume: the run in --out-dir
     assert lanpo.parse_config(["--resume", str(run), "--steps", "30"]).steps == 30  # a longer run
 
@@ -129,6 +129,24 @@ def test_resume_dir_alone_takes_the_runs_saved_settings(no_model, tmp_path):
     refused(["--resume", str(run)], "does not know (kl_mode)")
     assert not (tmp_path / "elsewhere").exists() and sorted(p.name for p in run.iterdir()) == ["checkpoints",
                                                                                                 "config.json"]
+
+
+def test_earlier_spellings_still_parse_say_so_and_resume(no_model, tmp_path, capsys):
+    """--feedback intra/inter and --inter-* became reflect/abstract and --abstract-*: the old spellings give the
+    same Config with one line each, and a run saved under the old names resumes as itself."""
+    old = lanpo.parse_config(["--feedback", "intra", "--inter-mode", "raw", "--inter-candidates=2"])
+    new = lanpo.parse_config(["--feedback", "reflect", "--abstract-mode", "raw", "--abstract-candidates", "2"])
+    assert old == new and lanpo.parse_config(["--feedback=inter"]).feedback == "abstract"
+    err = capsys.readouterr().err
+    assert "--feedback intra is now --feedback reflect (the old value still works)" in err
+    assert "--inter-mode is now --abstract-mode" in err and "--inter-candidates is now --abstract-candidates" in err
+    run = _fake_run(tmp_path, feedback="abstract", abstract_candidates=2)
+    config = json.loads((run / "config.json").read_text())
+    config.update(feedback="inter", inter_candidates=config.pop("abstract_candidates"),
+                  inter_mode=config.pop("abstract_mode"))
+    (run / "config.json").write_text(json.dumps(config))
+    cfg = lanpo.parse_config(["--resume", str(run)])
+    assert (cfg.feedback, cfg.abstract_candidates) == ("abstract", 2) and rundir.changed_settings(cfg, run) == ""
 
 
 def test_resume_refuses_more_steps_under_a_decaying_schedule(no_model, tmp_path):
@@ -303,7 +321,7 @@ def _arm(root, name, *flags):
 def test_ablate_skips_finished_arms_resumes_interrupted_ones_and_refuses_other_settings(tmp_path):
     finished = _arm(tmp_path, "lanpo", "--feedback", "both", "--steps", "2")
     (finished / "final").mkdir()
-    (_arm(tmp_path, "intra-only", "--feedback", "intra", "--steps", "2") / "checkpoints" / "step-000001").mkdir(
+    (_arm(tmp_path, "reflect-only", "--feedback", "reflect", "--steps", "2") / "checkpoints" / "step-000001").mkdir(
         parents=True)
     other = _arm(tmp_path, "grpo", "--feedback", "none", "--steps", "2", "--lr", "2e-6")
     (other / "final").mkdir()
@@ -314,11 +332,11 @@ def test_ablate_skips_finished_arms_resumes_interrupted_ones_and_refuses_other_s
     assert done.returncode == 0 and lines[0] == f"19 arms, each into {tmp_path}/<name> (extra flags: --steps 2):"
     assert len(lines) == 20, done.stdout + done.stderr
     assert f"  lanpo: finished with these settings, skipped ({finished})" in lines
-    assert f"  intra-only (resume): python lanpo.py --resume {tmp_path}/intra-only --lr 2e-5 --feedback intra " \
+    assert f"  reflect-only (resume): python lanpo.py --resume {tmp_path}/reflect-only --lr 2e-5 --feedback reflect " \
            "--steps 2" in lines
     assert f"  grpo: refused: {other} holds a run of other settings (--lr 2e-05 (the run has 2e-06)); move it " \
            "away to run this arm" in lines
-    assert f"  inter-only (new): python lanpo.py --out-dir {tmp_path}/inter-only --lr 2e-5 --feedback inter " \
+    assert f"  abstract-only (new): python lanpo.py --out-dir {tmp_path}/abstract-only --lr 2e-5 --feedback abstract " \
            "--steps 2" in lines
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # a dry run starts and writes nothing
 

@@ -192,7 +192,7 @@ def test_reflection_prompt_leaks_no_label(problem, attempts, gold, rewards):
 
 def test_build_prompts_identical_whatever_the_earlier_rewards(tiny):
     _, tokenizer = tiny
-    cfg = lanpo.parse_config(["--group-size", "4", "--feedback", "intra", "--feedback-ratio", "0.5"])
+    cfg = lanpo.parse_config(["--group-size", "4", "--feedback", "reflect", "--feedback-ratio", "0.5"])
     problems = [{"id": "p1", "problem": "What is 3 + 4?", "answer": "7"}]
     built = []
     for reward in (0.0, 1.0):
@@ -229,12 +229,12 @@ def test_forged_turns_are_neutralized(tiny):
 # ------------------------------------------------------------------------------------------------ mixing
 
 @given(g=st.integers(2, 32), rho=st.floats(0, 1), can_r=st.booleans(), can_a=st.booleans(),
-       feedback=st.sampled_from(["none", "intra", "inter", "both"]))
+       feedback=st.sampled_from(["none", "reflect", "abstract", "both"]))
 def test_group_mixing_counts_are_exact(g, rho, can_r, can_a, feedback):
     cfg = lanpo.Config(feedback=feedback)
     r_ok, a_ok = can_r and cfg.uses_reflection, can_a and cfg.uses_abstraction
     kinds = lanpo.plan_group(g, rho, r_ok, a_ok)
-    assert r_ok == (can_r and feedback in ("intra", "both")) and a_ok == (can_a and feedback in ("inter", "both"))
+    assert r_ok == (can_r and feedback in ("reflect", "both")) and a_ok == (can_a and feedback in ("abstract", "both"))
     n = math.floor(rho * g + 0.5) if (r_ok or a_ok) else 0
     assert len(kinds) == g
     assert kinds.count("scratch") == g - n
@@ -324,7 +324,7 @@ def test_no_candidate_shares_the_querys_arithmetic_in_the_no_filter_ablation(tin
     pool = ExperiencePool()
     pool.add([trial(r["id"], r["problem"], f"\\boxed{{{r['answer']}}}", 1.0) for r in rows])
     pending = abstract.prepare_lessons(model, tokenizer, pool, rows, {}, 1, lanpo.Config(
-        inter_candidates=3, relevance_threshold=0.0, inter_mode="raw", abstract_refresh=1, attempt_tokens=64))
+        abstract_candidates=3, relevance_threshold=0.0, abstract_mode="raw", abstract_refresh=1, attempt_tokens=64))
     assert pending.stats.candidates == 48 * 3
     twins = [(p["problem"], t.problem) for (p, _), kept in zip(pending.todo, pending.kept) for t in kept
              if arithmetic(t.problem) == arithmetic(p["problem"])]
@@ -341,7 +341,7 @@ def test_threshold_filters_as_stated(tiny):
     scores = sorted(abstract.relevance_scores(model, tokenizer, pairs))
     gamma = (scores[1] + scores[2]) / 2  # between the 2nd and 3rd score: exactly 2 kept
     def cfg(gamma):
-        return lanpo.Config(inter_candidates=4, relevance_threshold=gamma, inter_mode="raw", abstract_refresh=1,
+        return lanpo.Config(abstract_candidates=4, relevance_threshold=gamma, abstract_mode="raw", abstract_refresh=1,
                             attempt_tokens=64, abstract_max_tokens=8, gen_batch=4, relevance_text="experience")
 
     lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg(gamma), [2])
@@ -365,7 +365,7 @@ def test_relevance_text_decides_what_the_judgement_reads(tiny, monkeypatch, rele
                         lambda m, t, pairs, *_, **__: seen.extend(pairs) or [1.0] * len(pairs))
     lessons, stats = abstract.lessons_for(
         model, tokenizer, pool, [{"id": "cur", "problem": "Tom has 9 apples and gets 9 more."}], {}, 1,
-        lanpo.Config(inter_candidates=3, relevance_threshold=0.5, inter_mode="raw", abstract_refresh=1,
+        lanpo.Config(abstract_candidates=3, relevance_threshold=0.5, abstract_mode="raw", abstract_refresh=1,
                      attempt_tokens=64, abstract_max_tokens=8, gen_batch=4, relevance_text=relevance_text), [2])
     assert len(seen) == 3 and stats.kept == 3
     assert all(f"Tom has {i} apples" in "".join(seen) for i in range(3))
@@ -379,7 +379,7 @@ def test_principles_are_cached_and_refreshed(tiny):
     pool.add([trial("o", "Tom has 3 apples.", "3 \\boxed{3}", 1.0)])
     problem = [{"id": "cur", "problem": "Tom has 4 apples."}]
     cache = {}
-    cfg = lanpo.Config(inter_candidates=2, relevance_threshold=0.0, inter_mode="principles", abstract_refresh=3,
+    cfg = lanpo.Config(abstract_candidates=2, relevance_threshold=0.0, abstract_mode="principles", abstract_refresh=3,
                        attempt_tokens=64, abstract_max_tokens=6, gen_batch=4, relevance_text="experience")
     _, s1 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 1, cfg, [2])
     _, s2 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 3, cfg, [2])
@@ -442,15 +442,15 @@ def test_abstract_ahead_makes_the_next_steps_principles_in_the_sampling_call(tin
 def test_feedback_none_is_plain_grpo(tiny_model_dir, tmp_path, graded_by_parity):
     none = _run(tiny_model_dir, tmp_path / "none", "--feedback", "none")
     zero = _run(tiny_model_dir, tmp_path / "zero", "--feedback", "both", "--feedback-ratio", "0")
-    intra = _run(tiny_model_dir, tmp_path / "intra", "--feedback", "intra")
+    reflect = _run(tiny_model_dir, tmp_path / "reflect", "--feedback", "reflect")
     keys = ["reward_mean", "loss", "grad_norm", "entropy", "response_len_mean"]
     assert [[r[k] for k in keys] for r in none] == [[r[k] for k in keys] for r in zero]
-    assert [[r[k] for k in keys] for r in none] != [[r[k] for k in keys] for r in intra]  # the test can fail
+    assert [[r[k] for k in keys] for r in none] != [[r[k] for k in keys] for r in reflect]  # the test can fail
     assert all(r["reflect/count"] == 0 and r["abstract/count"] == 0 for r in none)
 
 
 def test_strip_trains_feedback_rollouts_off_policy(tiny_model_dir, tmp_path, graded_by_parity):
-    records = _run(tiny_model_dir, tmp_path / "strip", "--feedback", "intra", "--feedback-grad", "strip")
+    records = _run(tiny_model_dir, tmp_path / "strip", "--feedback", "reflect", "--feedback-grad", "strip")
     assert records[0]["ratio_mean"] == pytest.approx(1.0)  # no feedback yet: on-policy
     assert records[2]["reflect/count"] == 4  # the ratio of each token against a hand computation: test_train.py
 

@@ -202,7 +202,7 @@ def test_pool_and_prompts_take_any_text(tmp_path, tiny):
     again = ExperiencePool()
     again.load(tmp_path / "pool.jsonl")
     assert again.trials == pool.trials
-    cfg = lanpo.parse_config(["--group-size", "2", "--feedback", "intra", "--feedback-ratio", "1"])
+    cfg = lanpo.parse_config(["--group-size", "2", "--feedback", "reflect", "--feedback-ratio", "1"])
     problems = [{"id": f"p{i}", "problem": t, "answer": "1"} for i, t in enumerate(texts)]
     built = lanpo.build_prompts(tokenizer, problems, pool, {}, cfg)
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")

@@ -89,7 +89,7 @@ def test_training_and_evaluation_use_the_reward_function(tiny_model_dir, tmp_pat
     pool = lanpo.main(lanpo.parse_config([
         "--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "2", "--batch-problems", "2",
         "--group-size", "4", "--micro-batch", "4", "--max-new-tokens", "8", "--synthetic-size", "2",
-        "--eval-every", "0", "--report-to", "none", "--feedback", "intra", "--reward", "test_reward:shaped"]))
+        "--eval-every", "0", "--report-to", "none", "--feedback", "reflect", "--reward", "test_reward:shaped"]))
     trials = [t for ts in pool.trials.values() for t in ts]
     assert len(trials) == 16 and len({t.reward for t in trials}) > 1
     assert [t.reward for t in trials] == pytest.approx([shaped({"problem": t.problem}, t.response) for t in trials])

@@ -265,7 +265,7 @@ def test_feedback_rollouts_trained_on_the_plain_prompt_weigh_each_token_as_state
     from rollout import Completion
 
     cfg = lanpo.parse_config(["--batch-problems", "1", "--group-size", "2", "--micro-batch", "2", "--feedback",
-                              "intra", "--feedback-grad", grad, "--distill-is-cap", str(cap)])
+                              "reflect", "--feedback-grad", grad, "--distill-is-cap", str(cap)])
     r = lanpo.Rollouts([{"id": "x", "problem": "What is 2 + 5?", "answer": "7"}] * 2,
                        [lanpo.Prompt(plain, plain, "scratch", ""), lanpo.Prompt(shown, plain, "reflect", "2 + 5 = 8")],
                        [Completion(lanpo.token_ids(tokenizer, p), lanpo.token_ids(tokenizer, c), False, c)
