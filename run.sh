@@ -48,8 +48,8 @@ need_deepspeed() {
   }
 }
 
-recipe="${1:-default}"
-[ $# -gt 0 ] && shift
+recipe=default  # `./run.sh --flag ...` is the default run with those flags
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then recipe=$1; shift; fi
 case "$recipe" in
   default)  # embedded SmolLM2-135M, built-in arithmetic, CPU, ~12 minutes. lr 2e-5: the Config default (2e-6,
     # a value for 7B models) barely moves 135M in ten steps; at 2e-5 the held-out gain is clear (bench/learning.py)

@@ -361,3 +361,30 @@ def test_plot_steps_are_integers(tmp_path, monkeypatch):
     plot.plot({"run": [[{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2}]]}, tmp_path / "p.png")
     ticks = saved[0].axes[0].get_xticks()
     assert all(float(t).is_integer() for t in ticks)
+
+
+def test_run_sh_with_flags_only_is_the_default_run_and_keeps_the_previous_one(tmp_path):
+    """`./run.sh --flag ...` (as docs/benchmarks.md quotes it) is the default run with those flags, not an unknown
+    recipe; an earlier runs/default is moved aside, said with its size. run.sh is run from a copy whose lanpo.py
+    prints its arguments and whose .venv is this interpreter (no install, no training)."""
+    import shutil
+
+    shutil.copy(ROOT / "run.sh", tmp_path / "run.sh")
+    (tmp_path / "lanpo.py").write_text("import sys\nprint('ARGS', sys.argv[1:])\n")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name, script in [("python", f'exec {sys.executable} "$@"'), ("ruff", "true"),
+                         ("pip", "echo 'the test must not install anything' >&2; exit 1")]:
+        (bin_dir / name).write_text(f"#!/bin/sh\n{script}\n")
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    (tmp_path / "runs" / "default").mkdir(parents=True)
+    (tmp_path / "runs" / "default" / "metrics.jsonl").write_text("{}\n")
+    done = subprocess.run(["bash", str(tmp_path / "run.sh"), "--steps", "1", "--reflect-source", "any"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    want = ["--out-dir", "runs/default", "--lr", "2e-5", "--steps", "1", "--reflect-source", "any"]
+    assert f"ARGS {want}" in done.stdout
+    moved = [p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("default.")]
+    assert len(moved) == 1 and f"previous runs/default moved to runs/{moved[0]} (" in done.stdout
+    assert (tmp_path / "runs" / moved[0] / "metrics.jsonl").read_text() == "{}\n"  # nothing lost
