@@ -104,3 +104,10 @@ def test_the_layout_block_names_every_module_and_folder_and_nothing_else():
     bench = layout_block().split("bench/", 1)[1].split("\ndata/", 1)[0]
     unnamed = [p.stem for p in (ROOT / "bench").glob("*.py") if not re.search(rf"\b{p.stem}\b", bench)]
     assert unnamed == [], f"bench scripts the layout block does not name: {unnamed}"
+
+
+def test_every_file_in_docs_is_linked_from_the_readme_or_another_page():
+    pages = {doc: doc.read_text() for doc in DOCUMENTS}
+    orphans = [p.name for p in (ROOT / "docs").iterdir()
+               if not any(p.name in text for doc, text in pages.items() if doc != p)]
+    assert orphans == [], f"docs/ files no page links: {orphans}"
