@@ -510,7 +510,8 @@ def _serve() -> None:
 class TimedProcess:
     """A long-lived worker process (`python -c code`, which prints "ready" and then answers one JSON request
     per line with one JSON line) whose requests each have a time bound: one that outlives it is counted, the
-    process killed and restarted on the next request. reward.py runs users' reward functions on these too."""
+    process killed and restarted on the next request. reward.py runs users' reward functions on these too
+    (`ProcessPool`)."""
 
     def __init__(self, code: str, what: str, path: list[str] | None = None) -> None:
         self.code, self.what, self.path = code, what, path or []
@@ -547,35 +548,65 @@ class TimedProcess:
                 return None
             return json.loads(line)
 
+    def close(self) -> None:
+        with self.lock:
+            if self.proc is not None:
+                self.proc.kill()
+                self.proc.wait()
+                self.proc = None
 
-# Grader processes, started on first use: a batch's symbolic checks run side by side, so a step's grading
-# takes about its slowest check rather than the sum of them.
+
+class ProcessPool:
+    """`size` TimedProcesses of one kind, started on first use; `ask` borrows whichever is free (waiting for
+    one), so threads can keep them all busy: a batch takes about its slowest request, not the sum."""
+
+    def __init__(self, size: int, code: str, what: str, path: list[str] | None = None) -> None:
+        self.processes = [TimedProcess(code, what, path) for _ in range(size)]
+        self.free: queue.Queue = queue.Queue()
+        for process in self.processes:
+            self.free.put(process)
+
+    def ask(self, request: dict, timeout: float) -> dict | None:
+        """TimedProcess.ask on a free process."""
+        process = self.free.get()
+        try:
+            return process.ask(request, timeout)
+        finally:
+            self.free.put(process)
+
+    def map(self, requests: list[dict], timeout: float) -> list[dict | None]:
+        """Each request's reply (None: timed out), all processes working at once."""
+        with ThreadPoolExecutor(len(self.processes)) as threads:
+            return list(threads.map(lambda request: self.ask(request, timeout), requests))
+
+    @property
+    def timeouts(self) -> int:
+        return sum(p.timeouts for p in self.processes)
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.close()
+
+
 POOL_SIZE = max(2, min(4, os.cpu_count() or 1))
-_POOL = [TimedProcess("import math_grader; math_grader._serve()",
-                      "math_grader (is math-verify installed? `pip install math-verify`)") for _ in range(POOL_SIZE)]
-_FREE: queue.Queue = queue.Queue()
-for _process in _POOL:
-    _FREE.put(_process)
+_POOL = ProcessPool(POOL_SIZE, "import math_grader; math_grader._serve()",
+                    "math_grader (is math-verify installed? `pip install math-verify`)")
 
 
 def _ask(pred: str, gold: str, timeout: float) -> bool:
-    process = _FREE.get()
-    try:
-        reply = process.ask({"pred": pred, "gold": gold}, timeout)
-        return reply is not None and bool(reply["ok"])
-    finally:
-        _FREE.put(process)
+    reply = _POOL.ask({"pred": pred, "gold": gold}, timeout)
+    return reply is not None and bool(reply["ok"])
 
 
 def timeouts() -> int:
     """Symbolic checks cut off by the time bound so far (each scored 0)."""
-    return sum(p.timeouts for p in _POOL)
+    return _POOL.timeouts
 
 
 def warm_up() -> None:
     """Start the grader processes now (imports take a second or two each) rather than inside a step."""
     with ThreadPoolExecutor(POOL_SIZE) as pool:
-        list(pool.map(lambda p: p.ask({"pred": "1", "gold": "1"}, TIMEOUT_S), _POOL))
+        list(pool.map(lambda p: p.ask({"pred": "1", "gold": "1"}, TIMEOUT_S), _POOL.processes))
 
 
 def grade(response: str, gold: str, timeout: float = TIMEOUT_S) -> float:

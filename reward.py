@@ -17,7 +17,6 @@ import json
 import math
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import math_grader
 
@@ -69,28 +68,21 @@ class Rewarder:
     def __init__(self, spec: str = MATH, timeout: float = 10.0, workers: int = math_grader.POOL_SIZE) -> None:
         self.spec, self.timeout = spec, timeout
         self.failures, self.first_failure = 0, ""
-        self.workers = []
+        self.workers = None
         if spec != MATH:
             load(spec)  # fails here, in one line, rather than in a worker
             path = [p or os.getcwd() for p in sys.path]  # the worker imports the module as this process does
-            self.workers = [math_grader.TimedProcess(f"import reward; reward._serve({spec!r})", f"--reward {spec}",
-                                                     path) for _ in range(workers)]
+            self.workers = math_grader.ProcessPool(workers, f"import reward; reward._serve({spec!r})",
+                                                   f"--reward {spec}", path)
 
     def scores(self, problems: list[dict], completions: list[str]) -> list[float]:
         """One reward per (problem row, completion text)."""
         if self.spec == MATH:
             return math_grader.grade_batch(completions, [p["answer"] for p in problems])
-        free = list(self.workers)
-        with ThreadPoolExecutor(len(self.workers)) as threads:
-            def one(pair):
-                worker = free.pop()  # as many threads as workers: one is always free
-                try:
-                    reply = worker.ask({"problem": pair[0], "completion": pair[1]}, self.timeout)
-                finally:
-                    free.append(worker)
-                return reply if reply is not None else {"error": f"no reward within --reward-timeout {self.timeout}s"}
-
-            replies = list(threads.map(one, zip([_plain(p) for p in problems], completions)))
+        replies = self.workers.map([{"problem": _plain(p), "completion": c} for p, c in zip(problems, completions)],
+                                   self.timeout)
+        replies = [r if r is not None else {"error": f"no reward within --reward-timeout {self.timeout}s"}
+                   for r in replies]
         failed = [(p, r["error"]) for p, r in zip(problems, replies) if "error" in r]
         self.failures += len(failed)
         if failed and not self.first_failure:
@@ -103,10 +95,8 @@ class Rewarder:
         return [r.get("reward", 0.0) for r in replies]
 
     def close(self) -> None:
-        for worker in self.workers:
-            if worker.proc is not None:
-                worker.proc.kill()
-                worker.proc.wait()
+        if self.workers is not None:
+            self.workers.close()
 
 
 def _plain(row: dict) -> dict:
