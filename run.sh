@@ -135,10 +135,9 @@ MATRIX
 for line in sys.stdin.read().splitlines():
     name, flags = line.split(maxsplit=1)
     cfg = lanpo.parse_config(["--out-dir", f"{sys.argv[1]}/{name}", "--lr", "2e-5", *flags.split(), *sys.argv[2:]])
-    print(name, rundir.ablation_arm(cfg), sep="\t")' "$root" "$@" <<< "$matrix")
+    print(name, rundir.ablation_arm(cfg), flags, sep="\t")' "$root" "$@" <<< "$matrix")
     failed=()
-    while IFS=$'\t' read -r name action; do
-      flags=$(echo "$matrix" | awk -v n="$name" '$1 == n { $1 = ""; print substr($0, 2) }')
+    while IFS=$'\t' read -r name action flags; do
       dir="$root/$name"
       case "$action" in
         new) where=(--out-dir "$dir") ;;

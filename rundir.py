@@ -180,6 +180,8 @@ RENAMED_VALUES = {"feedback": {"intra": "reflect", "inter": "abstract"}}
 
 def read_settings(out_dir: Path) -> dict:
     """The run's config.json in today's names and values ({} when it has none)."""
+    if not (out_dir / "config.json").exists():
+        return {}
     saved = json.loads((out_dir / "config.json").read_text())
     saved = {RENAMED_SETTINGS.get(name, name): value for name, value in saved.items()}
     for name, values in RENAMED_VALUES.items():
@@ -195,8 +197,6 @@ def saved_settings(out_dir: Path, known: list[str]) -> dict:
     path = out_dir / "config.json"
     try:
         saved = read_settings(out_dir)
-    except FileNotFoundError:
-        return {}
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"--resume: cannot read the run's settings {path}: {e}") from None
     unknown = sorted(set(saved) - set(known))
@@ -239,7 +239,7 @@ def check_out_dir(cfg, out_dir: Path) -> Path | None:
 def changed_settings(cfg, out_dir: Path) -> str:
     """The settings of cfg that differ from the run in out_dir (its config.json) and would change its
     training, as "--flag value (the run has value), ..."; "" when none do."""
-    saved = read_settings(out_dir) if (out_dir / "config.json").exists() else {}
+    saved = read_settings(out_dir)
     changed = [name for name, value in dataclasses.asdict(cfg).items()
                if name in saved and name not in RESUMABLE and saved[name] != value]
     if saved.get("steps", cfg.steps) != cfg.steps and cfg.lr_schedule != "constant":
