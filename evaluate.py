@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-dir", default="runs/eval", help="summary.json, summary.md, problems.jsonl")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
                     help="instead of evaluating: A - B of two --out-dirs on the same problems (paired bootstrap)")
-    args = ap.parse_args(lanpo.current_spelling(sys.argv[1:] if argv is None else list(argv)))
+    args = ap.parse_args(lanpo.current_spelling(argv))
     if args.compare:
         table = compare(*args.compare)
         print(table)

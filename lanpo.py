@@ -251,9 +251,10 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -
             parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"], **extra)
 
 
-def current_spelling(argv: list[str]) -> list[str]:
-    """argv with the flags and --feedback values of earlier versions (rundir.RENAMED_*) in today's spelling, each
+def current_spelling(argv: list[str] | None) -> list[str]:
+    """argv (None: the command line's) with the flags and --feedback values of earlier versions (rundir.RENAMED_*) in today's spelling, each
     said in one line: `--feedback intra` is `--feedback reflect`, `--inter-mode` is `--abstract-mode`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     out, old_flags = [], {"--" + a.replace("_", "-"): "--" + b.replace("_", "-")
                           for a, b in rundir.RENAMED_SETTINGS.items()}
     for i, word in enumerate(argv):
@@ -276,7 +277,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_flags(parser)
-    argv = current_spelling(sys.argv[1:] if argv is None else list(argv))
+    argv = current_spelling(argv)
     args = parser.parse_args(argv)
     if args.resume:  # the run's saved settings become the defaults: only flags given can differ from them
         run_dir = args.out_dir if args.resume is True else args.resume
