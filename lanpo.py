@@ -252,8 +252,9 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -
 
 
 def current_spelling(argv: list[str] | None) -> list[str]:
-    """argv (None: the command line's) with the flags and --feedback values of earlier versions (rundir.RENAMED_*) in today's spelling, each
-    said in one line: `--feedback intra` is `--feedback reflect`, `--inter-mode` is `--abstract-mode`."""
+    """argv (None: the command line's) with the flags and --feedback values of earlier versions
+    (rundir.RENAMED_*) in today's spelling, each said in one line: `--feedback intra` is `--feedback reflect`,
+    `--inter-mode` is `--abstract-mode`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     out, old_flags = [], {"--" + a.replace("_", "-"): "--" + b.replace("_", "-")
                           for a, b in rundir.RENAMED_SETTINGS.items()}
