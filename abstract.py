@@ -246,6 +246,7 @@ def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], ca
     --relevance-text: what the relevance judgement sees of a candidate: its problem and shown solution
     (experience), or its problem statement only (problem: about a third of the tokens).
     --share-prefill: prompts' common starts are encoded once, in the relevance forward and in generation.
+    --compile-decoding: the principles are decoded by the compiled step (rollout.generate_completions).
 
     `cache` maps problem id -> {"step", "lessons"} and is updated in place; an entry (also "all
     candidates judged irrelevant") is reused for --abstract-refresh steps, then rebuilt (the pool has grown
@@ -256,7 +257,7 @@ def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], ca
     if pending.requests:
         outs = generate_completions(model, tokenizer, pending.requests, eos_ids=eos_ids,
                                     max_new_tokens=cfg.abstract_max_tokens, greedy=True, batch_size=cfg.gen_batch,
-                                    share_prefill=cfg.share_prefill)
+                                    share_prefill=cfg.share_prefill, compiled=cfg.compile_decoding)
     lessons = finish_lessons(pending, outs, cache, step, cfg.abstract_mode)
     pending.stats.time_abstraction = time.perf_counter() - t0
     return lessons, pending.stats

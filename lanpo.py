@@ -44,6 +44,7 @@ import pool as pool_lib
 import prompts
 import reflect
 import reward
+import rollout
 import rundir
 import scoring
 import stats
@@ -80,6 +81,10 @@ class Config:
     lora_rank: int = _f(0, "LoRA rank through peft; 0 trains all weights")
     lora_alpha: int = _f(32, "LoRA alpha")
     lora_targets: str = _f("all-linear", "LoRA target modules: all-linear or comma-separated names")
+    lora_merged_sampling: bool = _f(True, "with LoRA, sample (and judge relevance, evaluate) with each adapter merged "
+                                    "into a copy of its base weight, restored exactly for the update "
+                                    "(models.merged_lora): one matrix a layer instead of three; costs one copy "
+                                    "of the adapted weights while sampling")
     # --- data
     dataset: str = _f("synthetic:arith", "synthetic:arith (built-in); a benchmark name shipped in data/ (math_train, "
                       "gsm8k_train, math500, aime24, aime25, amc23, gsm8k, math); a .jsonl/.jsonl.gz/.json/.csv/"
@@ -126,6 +131,10 @@ class Config:
                              "start all its prompts share, once and copy the KV cache to the rows; in relevance "
                              "scoring, each problem's start once for its candidates. The same distribution and "
                              "scores, less prefill compute", evaluation=True)
+    compile_decoding: bool = _f(False, "decode with a static KV cache and the decoding step compiled by "
+                                "torch.compile (CUDA graphs on GPU; rollout.generate_completions): the same samples "
+                                "to float rounding, less per-token overhead; compiling costs seconds to minutes per "
+                                "new batch size or cache length (compiled_graphs, compile_s)", evaluation=True)
     cpu_rows_first_matmul: bool = _f(True, "on CPU, compute fp32 linear layers of no-grad forwards on up to 64 rows "
                                      "(decoding) as W·xᵀ, which MKL runs 2-8x faster than x·Wᵀ at that shape "
                                      "(cpu.RowsFirstLinear): the same products, summed in another order; "
@@ -679,9 +688,14 @@ class Run:
     previous_sigint: object | None
     rewarder: reward.Rewarder
 
+    @contextlib.contextmanager
     def full_weights(self):
-        """Context in which the whole weights are on every process (see distributed.gathered_for_generation)."""
-        return distributed.gathered_for_generation(self.model, self.accelerator)
+        """Context in which the whole weights are on every process (see distributed.gathered_for_generation),
+        LoRA adapters merged into a copy of them under --lora-merged-sampling (models.merged_lora)."""
+        merged = self.cfg.lora_rank > 0 and self.cfg.lora_merged_sampling
+        with distributed.gathered_for_generation(self.model, self.accelerator), \
+                (models.merged_lora(self.policy) if merged else contextlib.nullcontext()):
+            yield
 
     def embedding_weights(self):
         """--retriever policy embeds problems as they enter the pool: those forwards need the whole weights."""
@@ -872,7 +886,8 @@ def sample(run: Run, rollout_prompts: list[Prompt], pending: abstract.PendingLes
     with oom_hint("sampling", f"--gen-batch {max(1, cfg.gen_batch // 2)}", run.out_dir), run.full_weights():
         outs = generate_completions(run.policy, run.tokenizer, texts, eos_ids=run.eos_ids, max_new_tokens=limits,
                                     temperature=cfg.temperature, top_p=cfg.top_p, greedy=greedy,
-                                    batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill)
+                                    batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill,
+                                    compiled=cfg.compile_decoding)
     if pending is not None:
         abstract.finish_lessons(pending, outs[len(rollout_prompts):], run.lessons_cache, step + 1, cfg.abstract_mode)
         share_lessons(run, [p for p, _ in pending.todo])
@@ -910,6 +925,8 @@ def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: 
         **timings,
         "grader_timeouts": math_grader.timeouts(),
     }
+    if cfg.compile_decoding:
+        record.update(rollout.compiling_stats())  # so far in this process: a shape compiled twice would show
     if cfg.reward != reward.MATH:
         record["reward_failures"] = run.rewarder.failures  # so far in this process's run, as grader_timeouts
     if cfg.self_distill_coef > 0:

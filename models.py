@@ -5,6 +5,7 @@ cached). Optional LoRA through peft; the reference policy is then the adapter-di
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -137,6 +138,33 @@ def load_policy(name: str, dtype: torch.dtype, gradient_checkpointing: bool = Fa
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets,
                                                  task_type="CAUSAL_LM"))
     return model
+
+
+@contextlib.contextmanager
+def merged_lora(model):
+    """Inside: every LoRA layer of `model` (a peft model; anything else is left as it is) computes with its base
+    weight plus its adapter's product, merged into a copy of that weight, so that sampling reads one matrix a
+    layer instead of three (peft's merge, into the copy). After: the base layers hold their original tensors
+    again, untouched, so the update trains the adapters on the exact frozen base (merging and unmerging in
+    place would leave bf16 rounding in the base after every step). Costs one copy of the adapted layers'
+    weights for the duration."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.merged]
+    originals = []
+    try:
+        for layer in layers:
+            params = list(layer.get_base_layer().parameters(recurse=False))
+            originals.append([(q, q.data) for q in params])
+            for q in params:
+                q.data = q.data.clone()
+            layer.merge()
+        yield len(layers)
+    finally:
+        for layer, saved in zip(layers, originals):
+            for q, data in saved:
+                q.data = data
+            layer.merged_adapters = []
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -46,6 +46,44 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return ids[index], mask[index], cache
 
 
+# The compiled decoding step's KV cache is this many tokens long, rounded up: a call with a longer prompt or
+# limit within the same block reuses the compiled step instead of tracing a new cache length.
+STATIC_CACHE_BLOCK = 256
+
+
+def static_cache(model, length: int, filled=None):
+    """A StaticCache of up to `length` tokens a row (rounded up to STATIC_CACHE_BLOCK), holding the keys and
+    values of `filled` (a DynamicCache from `shared_prefill`) when given, else allocated by generate()'s prefill.
+    Its tensors keep their place in memory, which is what lets the decoding step be compiled (and captured in
+    a CUDA graph)."""
+    from transformers import StaticCache
+
+    length = -(-length // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    for i, layer in enumerate(filled.layers if filled is not None else []):
+        cache.update(layer.keys, layer.values, i)
+    return cache
+
+
+def compiling_stats() -> dict[str, float]:
+    """Graphs torch.compile has built in this process so far and the seconds it spent building them (a new
+    batch size or cache length makes a new one): the cost of --compile-decoding, logged with every step."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {"compiled_graphs": float(counters["stats"]["unique_graphs"]),
+            "compile_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))}
+
+
+def decoding_compile_config(device):
+    """transformers' compile settings for generate(): CUDA graphs of the decoding step on GPU ("reduce-overhead"),
+    inductor's C++ kernels elsewhere (generate() compiles only on accelerators unless told to)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="reduce-overhead" if device.type == "cuda" else "default")
+    config._compile_all_devices = device.type != "cuda"
+    return config
+
+
 class _ArgmaxRows(LogitsProcessor):
     """Logits processor: the marked rows keep only their argmax, so a sampling call decodes them greedily."""
 
@@ -71,7 +109,8 @@ class _RowLimits(StoppingCriteria):
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[int], max_new_tokens: int | list[int],
                          temperature: float = 1.0, top_p: float = 1.0, greedy: bool | list[bool] = False,
-                         batch_size: int = 64, share_prefill: bool = True, progress: str = "") -> list[Completion]:
+                         batch_size: int = 64, share_prefill: bool = True, compiled: bool = False,
+                         progress: str = "") -> list[Completion]:
     """One completion per prompt (repeat a prompt G times for G samples), in batched generate calls of
     `batch_size` prompts, left-padded. Sampling draws from torch's global RNG: seed it for reproducibility.
 
@@ -83,6 +122,11 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
     the call (the G samples of a group); their KV cache is copied to the rows (`shared_prefill`), instead of
     each row encoding its own copy. The sampled distribution is the same; the logits may differ in the last
     float bits, as with any change of batch shape.
+
+    compiled: decode with a static KV cache (`static_cache`) and the decoding step compiled by torch.compile
+    (transformers' own support in generate(); the prefill stays eager). Per-row greedy and limits and prefill
+    sharing work as without; the logits agree to float rounding. Each new batch size or cache length compiles
+    once more (`compiling_stats`); the first call pays seconds (tiny models) to minutes.
 
     progress: a label for a progress bar over the prompts (stderr), advanced after each generate call."""
     from tqdm.auto import tqdm
@@ -108,6 +152,10 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
             input_ids, attention_mask, shared = shared_prefill(model, input_ids, attention_mask,
                                                                [position[text] for text in chunk])
             cache = {cache_kwarg(): shared}
+        if compiled:
+            length = input_ids.shape[1] + max(chunk_limits)
+            cache = {cache_kwarg(): static_cache(model, length, cache.get(cache_kwarg())),
+                     "compile_config": decoding_compile_config(input_ids.device)}
         if all(chunk_greedy):
             sampling = {"do_sample": False}
         else:

@@ -1,76 +1,178 @@
-"""What a decoding step costs under plain weights (bf16 on a GPU, fp32 on a CPU), bf16 autocast, LoRA
-adapters (peft, all linear layers, fp32 adapters as peft keeps them), and both. The LoRA
-runs of bench/gpu_engines.py (--dtype auto: bf16 autocast) sampled 4x slower than the full-weight
---dtype bf16 run on an H200; this separates adapters from autocast.
+"""Sampling against the hardware's limit. A decoding step of a few rows reads every weight once, so its least
+time is the weights' bytes over the memory bandwidth; this bench measures both itself (a large copy on the
+device, bytes read plus written) and times lanpo's own sampling path (`rollout.generate_completions`: GRPO
+groups of 4 rows sharing a prompt, temperature 1) per decoding step, under each set-up:
+  eager                HF generate with a DynamicCache (the default)
+  compiled             --compile-decoding: static KV cache, decoding step compiled (CUDA graphs on GPU)
+  lora                 LoRA r16 on every linear layer, sampled through the adapters (--no-lora-merged-sampling)
+  lora-merged          the adapters merged into a copy of the base weights (--lora-merged-sampling, the default)
+  lora-merged-compiled both
+A step's time is (time of N new tokens - time of 1) / (N - 1): the prefill and the first token left out.
+Passes alternate the set-ups' order; each ratio to `eager` (and lora-merged to lora) is of the medians over
+passes, with a 95 % bootstrap interval. The fraction is the bandwidth limit's step time over the measured one.
 
-    python bench/decode_overhead.py                          # CPU: 28 layers of width 64
-    python bench/decode_overhead.py --device cuda --hidden 3584 --intermediate 18944 --heads 28 --kv-heads 4
-                                                             # Qwen2.5-7B's layers (small vocabulary)
+    python bench/decode_overhead.py                                     # CPU: the embedded model, batch 4, 16
+    python bench/decode_overhead.py --device cuda --shapes qwen2.5-7b --batch 16 64 --steps 64
+                                                                        # one GPU: Qwen2.5-7B, random bf16 weights
+    python bench/decode_overhead.py --shapes tiny --passes 2 --steps 8  # the CPU twin (tests/test_gpu_check.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_engines  # noqa: E402
+
+import cpu  # noqa: E402
+import models  # noqa: E402
+import prompts  # noqa: E402
+import rollout  # noqa: E402
+import stats  # noqa: E402
+
+SETUPS = ["eager", "compiled", "lora", "lora-merged", "lora-merged-compiled"]
 
 
-def ms_per_step(model, prompts: torch.Tensor, steps: int, autocast: bool, device: str) -> float:
-    cast = torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    kwargs = dict(do_sample=True, top_k=0, pad_token_id=0, eos_token_id=None)
-    with torch.no_grad(), cast:
-        model.generate(prompts, max_new_tokens=4, **kwargs)  # warm-up
-        if device == "cuda":
-            torch.cuda.synchronize()
+def bandwidth_gb_s(device: torch.device, seconds: float = 2.0) -> float:
+    """The device's copy bandwidth (GB/s, bytes read plus written), the best of repeated copies of a large tensor
+    (1 GiB on a GPU, 256 MiB on a CPU)."""
+    n = (2**28 if device.type == "cuda" else 2**26)
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    best, t_end = 0.0, time.perf_counter() + seconds
+    dst.copy_(src)
+    while time.perf_counter() < t_end:
+        sync(device)
         t0 = time.perf_counter()
-        model.generate(prompts, max_new_tokens=steps, min_new_tokens=steps, **kwargs)
-        if device == "cuda":
-            torch.cuda.synchronize()
-    return 1000 * (time.perf_counter() - t0) / steps
+        dst.copy_(src)
+        sync(device)
+        best = max(best, 2 * n * 4 / 1e9 / (time.perf_counter() - t0))
+    return best
 
 
-def main() -> None:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def weight_gb(model) -> float:
+    """The bytes a decoding step must read: every weight but the input embedding (one row of it a token),
+    which the LM head reads whole when the two are tied."""
+    embedding = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is embedding
+    return sum(q.numel() * q.element_size() for q in model.parameters()
+               if q is not embedding or tied) / 1e9
+
+
+def load(shapes: str, device: torch.device, lora: bool):
+    """(model, tokenizer): the embedded model (fp32 on a CPU, as lanpo.py trains it there), or random bf16 weights
+    of Qwen2.5-7B's shapes or the tiny ones (bench/gpu_engines.py)."""
+    if shapes == "embedded":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model, tokenizer = models.load_policy(models.EMBEDDED, dtype), models.load_tokenizer(models.EMBEDDED)
+    else:
+        model, tokenizer = gpu_engines.random_model(shapes, str(device))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    model.to(device).eval()
+    if device.type == "cpu":
+        cpu.speed_up(model)  # as lanpo.py samples on a CPU
+    return model, tokenizer
+
+
+def group_prompts(tokenizer, rows: int) -> list[str]:
+    """rows / 4 problems, each repeated for a group of 4 (prefill sharing as in training)."""
+    problems = [prompts.problem_request(f"What is {7 * i + 3} + {11 * i + 5}, times {i + 2}?")
+                for i in range(max(1, rows // 4))]
+    return [prompts.render_prompt(tokenizer, p, True) for p in problems for _ in range(4)][:rows]
+
+
+def step_ms(model, tokenizer, texts: list[str], steps: int, compiled: bool, merged: bool) -> float:
+    """ms a decoding step: N new tokens against 1, through generate_completions (no EOS, every row runs N)."""
+    times = []
+    for n in (1, steps):
+        with models.merged_lora(model) if merged else contextlib.nullcontext():
+            sync(model.device)
+            t0 = time.perf_counter()
+            rollout.generate_completions(model, tokenizer, texts, eos_ids=[], max_new_tokens=n, batch_size=len(texts),
+                                         compiled=compiled)
+            sync(model.device)
+            times.append(time.perf_counter() - t0)
+    return 1000 * (times[1] - times[0]) / (steps - 1)
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--intermediate", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--passes", type=int, default=3, help="rounds over the set-ups, alternating their order")
-    args = ap.parse_args()
-    config = AutoConfig.for_model("qwen2", vocab_size=512, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                  intermediate_size=args.intermediate, num_attention_heads=args.heads,
-                                  num_key_value_heads=args.kv_heads)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # a LoRA run's frozen base on a GPU
-    torch.manual_seed(0)
-    prompts = torch.randint(1, 512, (args.batch, 50), device=args.device)
-    with torch.device(args.device):  # initialised where it runs (7B-wide layers take long on a CPU)
-        base = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        lora = get_peft_model(AutoModelForCausalLM.from_config(config, dtype=dtype),
-                              LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear"))
-    lora.eval()
-    rows = {"plain": (base, False), "autocast bf16": (base, True), "LoRA": (lora, False),
-            "LoRA + autocast bf16": (lora, True)}
-    # every set-up measured in --passes rounds, the order reversed each round, best round kept: on the H200
-    # the set-up measured first in a fresh process was slowest (clocks, lazy initialisation)
-    best = {label: float("inf") for label in rows}
-    for round_ in range(args.passes):
-        for label in (list(rows) if round_ % 2 == 0 else list(reversed(rows))):
-            model, autocast = rows[label]
-            best[label] = min(best[label], ms_per_step(model, prompts, args.steps, autocast, args.device))
-    shape = f"{args.layers} layers, width {args.hidden}, batch {args.batch}, {args.device}"
-    print(f"| {shape} | ms a decoding step (best of {args.passes}) | vs plain |")
-    print("|---|---:|---:|")
-    for label, ms in best.items():
-        print(f"| {label} | {ms:.1f} | {ms / best['plain']:.2f}× |")
+    ap.add_argument("--shapes", choices=["embedded", "qwen2.5-7b", "tiny"], default="embedded",
+                    help="the embedded model (SmolLM2-135M) or random bf16 weights of these shapes")
+    ap.add_argument("--batch", type=int, nargs="+", default=[4, 16], help="rows a generate call")
+    ap.add_argument("--steps", type=int, default=32, help="new tokens a timed call")
+    ap.add_argument("--passes", type=int, default=5, help="rounds over the set-ups, alternating their order")
+    ap.add_argument("--setups", nargs="+", default=SETUPS, choices=SETUPS)
+    ap.add_argument("--out", default="runs/bench/decode_overhead.json")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    bandwidth = bandwidth_gb_s(device)
+    plain, tokenizer = load(args.shapes, device, lora=False)
+    adapted = load(args.shapes, device, lora=True)[0] if any(s.startswith("lora") for s in args.setups) else None
+    gb = weight_gb(plain)
+    limit_ms = 1000 * gb / bandwidth
+    runs = {s: {"compiled": s.endswith("compiled"), "merged": "merged" in s,
+                "model": adapted if s.startswith("lora") else plain} for s in args.setups}
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shapes": args.shapes,
+              "bandwidth_gb_s": bandwidth, "weight_gb": gb, "limit_ms": limit_ms, "steps": args.steps,
+              "compile_s": {}, "ms": {s: {str(b): [] for b in args.batch} for s in args.setups}}
+    # warm-up: every set-up once per batch size; the compiled ones compile here, and their cost is reported
+    for s, r in runs.items():
+        for b in args.batch:
+            before = rollout.compiling_stats()
+            step_ms(r["model"], tokenizer, group_prompts(tokenizer, b), min(args.steps, 4), r["compiled"], r["merged"])
+            after = rollout.compiling_stats()
+            result["compile_s"][f"{s}/{b}"] = after["compile_s"] - before["compile_s"]
+    graphs = rollout.compiling_stats()["compiled_graphs"]
+    for p in range(args.passes):
+        for s in (args.setups if p % 2 == 0 else list(reversed(args.setups))):
+            for b in args.batch:
+                r = runs[s]
+                result["ms"][s][str(b)].append(step_ms(r["model"], tokenizer, group_prompts(tokenizer, b), args.steps,
+                                                  r["compiled"], r["merged"]))
+    result["recompiled_in_passes"] = rollout.compiling_stats()["compiled_graphs"] - graphs
+    print(f"{result['device']}, {args.shapes}: {gb:.2f} GB of weights read a step, {bandwidth:.1f} GB/s copy "
+          f"bandwidth: limit {limit_ms:.2f} ms a step; {args.steps} new tokens, {args.passes} passes; "
+          f"graphs compiled during the passes: {result['recompiled_in_passes']:.0f}")
+    print("| set-up | rows | ms a step (median) | tokens/s | of the limit | vs eager [95 %] | compile s |")
+    print("|---|---:|---:|---:|---:|---|---:|")
+    result["summary"] = {}
+    for s in args.setups:
+        for b in args.batch:
+            ms = statistics.median(result["ms"][s][str(b)])
+            row = {"ms": ms, "tokens_per_s": b * 1000 / ms, "of_limit": limit_ms / ms}
+            base = "lora" if s.startswith("lora-merged") and "lora" in args.setups else "eager"
+            if base in args.setups and s != base:
+                row["vs"] = base
+                row["ratio"] = ms / statistics.median(result["ms"][base][str(b)])
+                row["ratio_95"] = stats.median_ratio_interval(result["ms"][s][str(b)], result["ms"][base][str(b)])
+            result["summary"][f"{s}/{b}"] = row
+            ratio = f"{row['ratio']:.2f}x [{row['ratio_95'][0]:.2f}, {row['ratio_95'][1]:.2f}] vs {base}" \
+                if "ratio" in row else "-"
+            print(f"| {s} | {b} | {ms:.1f} | {row['tokens_per_s']:.0f} | {row['of_limit']:.0%} | {ratio} | "
+                  f"{result['compile_s'][f'{s}/{b}']:.0f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ weights, no hub) through lanpo.py for two steps at realistic lengths (B = 2 prob
 1024 new tokens, --feedback both) under each set-up:
   lora      LoRA r16 on one GPU (frozen bf16 base)
   full-bf16 all weights trained in bf16 on one GPU (--dtype bf16: 8 bytes a parameter)
+  full-bf16-compiled  the same with --compile-decoding (static KV cache, CUDA graphs of the decoding step)
   zero3     DeepSpeed ZeRO-3 in one process (configs/zero3.yaml), bf16 weights, on 14 of the 28 layers:
             one process keeps every byte a single GPU would and DeepSpeed's fp32 copies (about 22 bytes a
             parameter, ~165 GB at 7.6 B), more than one H200; 4.35 B parameters fit and run the same code
@@ -36,18 +37,20 @@ TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hid
 SETUPS = {
     "lora": ["--lora-rank", "16", "--lr", "1e-5"],
     "full-bf16": ["--dtype", "bf16", "--lr", "1e-6"],
+    "full-bf16-compiled": ["--dtype", "bf16", "--lr", "1e-6", "--compile-decoding"],
     "zero3": ["--dtype", "bf16", "--lr", "1e-6"],
 }
 HALF_DEPTH = {"zero3"}  # set-ups that run on the model with half the layers (not on the tiny shapes)
 
 
-def build_model(out: Path, shapes: str, device: str, half_depth: bool = False) -> Path:
-    """Random weights with the chosen shapes (half the layers if asked), saved in bf16 with the hub-free
-    tokenizer."""
+def random_model(shapes: str, device: str, half_depth: bool = False):
+    """(model, tokenizer): random bf16 weights with the chosen shapes (half the layers if asked), built on
+    `device`, and the hub-free tokenizer (left padding, as models.load_tokenizer sets)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
+    tokenizer.padding_side = "left"
     spec = json.loads((ROOT / "configs" / "qwen2.5-7b-shapes.json").read_text())
     if shapes == "tiny":
         spec.update(TINY)
@@ -62,6 +65,14 @@ def build_model(out: Path, shapes: str, device: str, half_depth: bool = False) -
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.generation_config.eos_token_id = [eos, tokenizer.pad_token_id]
+    return model, tokenizer
+
+
+def build_model(out: Path, shapes: str, device: str, half_depth: bool = False) -> Path:
+    """`random_model` saved as a model directory."""
+    import torch
+
+    model, tokenizer = random_model(shapes, device, half_depth)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     del model

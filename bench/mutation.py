@@ -81,6 +81,9 @@ def main() -> None:
     copied = [name for name in top if name not in args.modules and name != "tests/"] + ["mutation_unit_only.py"]
     (work / "setup.cfg").write_text(
         "[mutmut]\nsource_paths =\n    " + "\n    ".join(args.modules) + "\n"
+        # a mutant whose tests run past (their time + 1 s) x 3 x 2 CPU seconds is killed by timeout (mutmut's
+        # default multiplier 15: forwards.py's loop-bound mutants then each held a worker for minutes)
+        "timeout_multiplier = 3\n"
         "also_copy =\n    " + "\n    ".join(copied) + "\n"
         # the malloc test counts page faults of a child process, which mutmut's instrumented run inflates
         "pytest_add_cli_args =\n    -p\n    mutation_unit_only\n    -q\n    -k\n    not faulting_it_back\n"

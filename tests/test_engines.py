@@ -97,6 +97,22 @@ def test_engine_trains_like_ddp(run, engine):
         assert difference.max() <= 1e-4 and difference.mean() <= 2e-7, (name, difference.max(), difference.mean())
 
 
+@pytest.mark.parametrize("engine", ["zero3", "fsdp"])
+def test_compiled_decoding_on_gathered_weights_samples_as_eager_ddp(run, engine):
+    """--compile-decoding where generate runs on weights gathered from their shards (ZeRO-3) or on layers
+    unsharded for the duration (FSDP2, whose hooks split the step into several graphs): every process samples
+    the eager DDP run's trials, and step 3, with step 2's shapes, compiles nothing new."""
+    def trials(out):
+        return [(t["problem_id"], t["kind"], t["response"]) for t in
+                map(json.loads, (out / "pool-rank0.jsonl").read_text().splitlines())]
+
+    out = run(engine, "--compile-decoding")
+    assert trials(out) == trials(run("ddp"))
+    assert (out / "pool-rank0.jsonl").read_bytes() == (out / "pool-rank1.jsonl").read_bytes()
+    graphs = [r["compiled_graphs"] for r in metrics(out)]
+    assert graphs[0] >= 1 and graphs[2] == graphs[1]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_engine_resume_reproduces_the_run(run, engine, tiny_model_dir, tmp_path):
     """A run killed after its step-2 checkpoint and resumed ends where the uninterrupted run ended:

@@ -9,6 +9,7 @@ import torch
 
 import cpu
 import prompts
+import rollout
 from forwards import cache_kwarg, hoist_common_prefix
 from rollout import generate_completions, shared_prefill
 
@@ -172,3 +173,91 @@ def test_rows_first_linears_sample_the_same_completions(tiny_model_dir):
     assert torch.equal(a.sequences, b.sequences)
     for x, y in zip(a.logits, b.logits):
         torch.testing.assert_close(x.log_softmax(-1), y.log_softmax(-1), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ compiled decoding (--compile-decoding)
+
+
+def test_compiled_decoding_gives_the_eager_logits_at_every_step(tiny_model_dir):
+    """A static cache filled by the shared prefill, decoded by the compiled step: the same greedy tokens and
+    each step's log-probs within float tolerance of the eager DynamicCache path. Compiling again for the same
+    shapes costs nothing: the second call builds no graph."""
+    import models
+
+    tokenizer = models.load_tokenizer(str(tiny_model_dir))
+    model = models.load_policy(str(tiny_model_dir), torch.float32).eval()
+    enc, rows, _, _ = encoded_groups(tokenizer, 2)
+    settings = dict(do_sample=False, max_new_tokens=10, min_new_tokens=10, output_logits=True, eos_token_id=[],
+                    return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+    ids, mask, cache = shared_prefill(model, enc.input_ids, enc.attention_mask, rows)
+    eager = model.generate(input_ids=ids, attention_mask=mask, **settings, **{cache_kwarg(): cache})
+    before = rollout.compiling_stats()
+    for call in range(2):
+        ids, mask, cache = shared_prefill(model, enc.input_ids, enc.attention_mask, rows)
+        static = rollout.static_cache(model, ids.shape[1] + 10, cache)
+        assert int(static.get_seq_length()) == ids.shape[1] - 1  # generate() runs the last prompt token only
+        compiled = model.generate(input_ids=ids, attention_mask=mask, **settings, **{cache_kwarg(): static},
+                                  compile_config=rollout.decoding_compile_config(ids.device))
+        assert torch.equal(eager.sequences, compiled.sequences)
+        for step, (a, b) in enumerate(zip(eager.logits, compiled.logits)):
+            torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, step=step: f"step {step}: {m}")
+        after = rollout.compiling_stats()
+        if call == 0:
+            assert after["compiled_graphs"] == before["compiled_graphs"] + 1
+            assert after["compile_s"] > before["compile_s"]
+            first = after
+    assert after == first  # the second call compiled nothing
+
+
+def test_compiled_decoding_samples_the_same_completions(tiny_model_dir):
+    """Fixed seed: generate_completions with compiled=True returns the eager path's completions (ids, prompt,
+    truncation), sampled and greedy rows mixed in one call with per-row limits, with and without prefill
+    sharing, over two calls of different sizes."""
+    import models
+
+    tokenizer = models.load_tokenizer(str(tiny_model_dir))
+    model = models.load_policy(str(tiny_model_dir), torch.float32).eval()
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    asks = [prompts.render_prompt(tokenizer, q, False) for q in ("Say Yes or No.", "Check each step.")]
+    texts = group_prompts(tokenizer, 2) + asks
+    greedy, limits = [False] * 6 + [True] * 2, [6] * 6 + [12] * 2
+    for share in (True, False):
+        outs = []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            outs.append(generate_completions(model, tokenizer, texts, eos_ids=eos, max_new_tokens=limits,
+                                             greedy=greedy, batch_size=5, share_prefill=share, compiled=compiled))
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert a.prompt_ids.tolist() == b.prompt_ids.tolist(), i
+            assert a.completion_ids.tolist() == b.completion_ids.tolist(), (share, i)
+            assert (a.truncated, a.text) == (b.truncated, b.text)
+        assert max(len(c.completion_ids) for c in outs[1][6:]) > 6  # the greedy rows ran past the sampled ones
+
+
+def test_compile_decoding_trains_on_the_same_rollouts_and_logs_its_compiles(tiny_model_dir, tmp_path):
+    """A whole run with --compile-decoding (sampling, principles, held-out evaluation all compiled): the same
+    pool of trials as the eager run, and the compiled graphs logged every step; steps with the shapes of an
+    earlier one compile nothing new."""
+    import json
+
+    import lanpo
+
+    runs = {}
+    for flags in ((), ("--compile-decoding",)):
+        out = tmp_path / ("compiled" if flags else "eager")
+        lanpo.main(lanpo.parse_config([
+            "--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "4", "--batch-problems", "2",
+            "--group-size", "4", "--micro-batch", "4", "--max-new-tokens", "8", "--synthetic-size", "2",
+            "--eval-every", "2", "--eval-size", "2", "--relevance-threshold", "0", "--abstract-max-tokens", "8",
+            "--feedback", "both", "--feedback-ratio", "0.5", "--report-to", "none", "--lr", "1e-2", *flags]))
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        pool = [json.loads(line) for line in (out / "checkpoints" / "step-000004" / "pool.jsonl").read_text()
+                .splitlines()]
+        runs[bool(flags)] = records, [(t["problem_id"], t["kind"], t["response"]) for t in pool]
+    (eager, eager_pool), (compiled, compiled_pool) = runs[False], runs[True]
+    assert compiled_pool == eager_pool
+    assert all("compiled_graphs" not in r for r in eager)
+    graphs = [r["compiled_graphs"] for r in compiled]
+    assert graphs[0] >= 1 and graphs == sorted(graphs) and compiled[-1]["compile_s"] > 0
+    assert graphs[3] == graphs[2]  # step 4 repeats step 3's shapes (sampling, principles from cache, eval)

@@ -1,5 +1,6 @@
 """lanpo.py end to end on a tiny random model: generate -> grade -> update, for real, several configs."""
 
+import contextlib
 import ctypes
 import json
 import platform
@@ -81,6 +82,64 @@ def test_lora_uses_the_adapter_free_model_as_reference(tiny_model_dir, tmp_path,
                              "--max-new-tokens", "4", "--out-dir", str(tmp_path / "eval")])
     assert results["b.jsonl"]["zero-shot"]["problems"] == 1
 
+
+
+def _lora_with_moved_adapters(tiny_model_dir):
+    """The tiny model with rank-4 LoRA on every linear layer, its adapters moved off peft's zero start."""
+    import models
+
+    model = models.load_policy(str(tiny_model_dir), torch.float32, lora_rank=4).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, q in model.named_parameters():
+            if "lora_B" in name:
+                q.normal_(0, 0.5)
+    return model
+
+
+def test_merged_lora_gives_the_adapters_outputs_and_restores_the_exact_base(tiny_model_dir):
+    """Inside models.merged_lora: the adapters' logits (to float rounding) from merged weights, and not the
+    base model's (the adapters matter here); after it: the very same base tensors, bit for bit, and the
+    adapters back in the forward."""
+    import models
+
+    model = _lora_with_moved_adapters(tiny_model_dir)
+    ids = torch.randint(3, 300, (3, 20))
+    before = {name: (q.data_ptr(), q.detach().clone()) for name, q in model.named_parameters()}
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+        with models.merged_lora(model) as merged_layers:
+            merged = model(input_ids=ids).logits
+            assert all(q.data_ptr() != before[n][0] for n, q in model.named_parameters() if "base_layer.weight" in n)
+        after = model(input_ids=ids).logits
+    assert merged_layers == 2 * 7  # q k v o gate up down in each of the 2 layers
+    torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(merged, base, atol=1e-2)
+    assert torch.equal(after, adapted)
+    for name, q in model.named_parameters():
+        assert q.data_ptr() == before[name][0] and torch.equal(q, before[name][1]), name
+
+
+def test_merged_lora_samples_the_same_completions(tiny_model_dir, tiny):
+    """Fixed seed: the same sampled and greedy completions from merged weights as through the adapters, eager
+    and with the decoding step compiled (--compile-decoding), either way."""
+    import models
+    from rollout import generate_completions
+
+    model, tokenizer = _lora_with_moved_adapters(tiny_model_dir), tiny[1]
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in ("What is 2 + 5?", "Is 7 odd?")] * 3
+    for greedy in (False, True):
+        outs = []
+        for merge, compiled in ((False, False), (True, False), (False, True), (True, True)):
+            torch.manual_seed(0)
+            with models.merged_lora(model) if merge else contextlib.nullcontext():
+                outs.append([c.completion_ids.tolist() for c in generate_completions(
+                    model, tokenizer, texts, eos_ids=eos, max_new_tokens=12, greedy=greedy, compiled=compiled)])
+        assert outs[1] == outs[0] and outs[2] == outs[0] and outs[3] == outs[0], greedy
 
 def test_bad_flags_fail_before_compute(tiny_model_dir, tmp_path):
     with pytest.raises(SystemExit, match="does not divide"):
