@@ -98,10 +98,15 @@ case "$recipe" in
     # CPU by default (lr 2e-5, the default run's: 2e-6 barely moves the embedded model in ten steps); on GPUs:
     # LAUNCH="accelerate launch" ./run.sh ablate --model Qwen2.5-1.5B ... An arm that finished is skipped, one
     # interrupted after a checkpoint resumed, one whose directory holds other settings refused (and left alone).
-    # --dry-run (anywhere) lists the arms, what each would do and its command, and starts nothing.
-    dry=0 args=()
+    # --dry-run (anywhere) lists the arms, what each would do and its command, and starts nothing;
+    # --arms=NAME,NAME runs only those arms.
+    dry=0 arms="" args=()
     for arg in "$@"; do
-      if [ "$arg" = "--dry-run" ]; then dry=1; else args+=("$arg"); fi
+      case "$arg" in
+        --dry-run) dry=1 ;;
+        --arms=*) arms=${arg#--arms=} ;;
+        *) args+=("$arg") ;;
+      esac
     done
     set -- ${args[@]+"${args[@]}"}
     launch=${LAUNCH:-python}
@@ -128,6 +133,11 @@ sd-only         --feedback both --feedback-ratio 0 --self-distill-coef 1
 mask-truncated  --feedback both --mask-truncated
 MATRIX
 )
+    if [ -n "$arms" ]; then
+      unknown=$(tr ',' '\n' <<< "$arms" | while read -r arm; do grep -q "^$arm " <<< "$matrix" || echo "$arm"; done)
+      [ -z "$unknown" ] || { echo "--arms: no arm named $(paste -sd' ' <<< "$unknown") (the arms: $(cut -d' ' -f1 <<< "$matrix" | paste -sd' '))" >&2; exit 2; }
+      matrix=$(grep -E "^($(tr ',' '|' <<< "$arms")) " <<< "$matrix")
+    fi
     root=${ABLATE_DIR:-runs/ablate}
     echo "$(echo "$matrix" | wc -l) arms, each into $root/<name> (extra flags: ${*:-none}):"
     # every arm's settings checked and its directory looked at once, before any arm starts

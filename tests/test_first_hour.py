@@ -341,6 +341,38 @@ def test_ablate_skips_finished_arms_resumes_interrupted_ones_and_refuses_other_s
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # a dry run starts and writes nothing
 
 
+def test_ablate_runs_its_arms_then_extends_then_skips_them(tmp_path, tiny_model_dir):
+    """./run.sh ablate for real on two arms (--arms) of the tiny model: both train; asked for more steps, both
+    resume from their last checkpoint and add the missing steps; asked again, both are skipped. Unknown arm
+    names stop it in one line."""
+    def ablate(steps: int):
+        done = subprocess.run(
+            ["bash", str(ROOT / "run.sh"), "ablate", "--arms=grpo,lanpo", "--model", str(tiny_model_dir),
+             "--steps", str(steps), "--batch-problems", "2", "--group-size", "2", "--micro-batch", "2",
+             "--max-new-tokens", "4", "--synthetic-size", "2", "--eval-every", "0", "--no-eval-at-start",
+             "--relevance-threshold", "0", "--abstract-max-tokens", "4", "--report-to", "none", "--save-every", "1"],
+            capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, ABLATE_DIR=str(tmp_path)))
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        return done.stdout.splitlines()
+
+    def steps(arm: str) -> list[int]:
+        return [json.loads(line)["step"] for line in (tmp_path / arm / "metrics.jsonl").read_text().splitlines()]
+
+    lines = ablate(1)
+    assert lines[0].startswith(f"2 arms, each into {tmp_path}/<name>") and "  grpo (new): " in lines[1][:14]
+    assert steps("grpo") == steps("lanpo") == [1]
+    assert json.loads((tmp_path / "lanpo" / "config.json").read_text())["feedback"] == "both"
+    lines = ablate(2)
+    assert lines[1].startswith(f"  grpo (resume): python lanpo.py --resume {tmp_path}/grpo --lr 2e-5 --feedback none")
+    assert steps("grpo") == steps("lanpo") == [1, 2]
+    lines = ablate(2)
+    assert lines[1:] == [f"  grpo: finished with these settings, skipped ({tmp_path}/grpo)",
+                         f"  lanpo: finished with these settings, skipped ({tmp_path}/lanpo)"]
+    done = subprocess.run(["bash", str(ROOT / "run.sh"), "ablate", "--arms=grpo,nope", "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, ABLATE_DIR=str(tmp_path)))
+    assert done.returncode == 2 and done.stderr.startswith("--arms: no arm named nope (the arms: grpo lanpo ")
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without GPUs")
 @pytest.mark.parametrize("recipe, gpus", [("lanpo-7b", "8 GPUs"), ("small-gpu", "a GPU")])
 def test_gpu_recipes_stop_in_one_line_without_gpus(recipe, gpus):
