@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -81,14 +82,18 @@ def main() -> None:
     copied = [name for name in top if name not in args.modules and name != "tests/"] + ["mutation_unit_only.py"]
     (work / "setup.cfg").write_text(
         "[mutmut]\nsource_paths =\n    " + "\n    ".join(args.modules) + "\n"
-        # a mutant whose tests run past (their time + 1 s) x 3 x 2 CPU seconds is killed by timeout (mutmut's
-        # default multiplier 15: forwards.py's loop-bound mutants then each held a worker for minutes)
-        "timeout_multiplier = 3\n"
+        # mutmut stops a mutant's tests after (their measured time + constant) x multiplier x 2 CPU seconds and
+        # counts it killed ("timeout"). Its measured time leaves out pytest's start (importing torch and
+        # transformers: ~10 CPU seconds), so with its defaults (1 s, 15) a mutant whose tests took 0.5 s was
+        # stopped while still importing: a surviving mutant counted as killed. 30 s covers the start; one
+        # thread per worker (OMP_NUM_THREADS=1 below) keeps CPU seconds equal to wall seconds.
+        "timeout_constant = 30\ntimeout_multiplier = 2\n"
         "also_copy =\n    " + "\n    ".join(copied) + "\n"
         # the malloc test counts page faults of a child process, which mutmut's instrumented run inflates
         "pytest_add_cli_args =\n    -p\n    mutation_unit_only\n    -q\n    -k\n    not faulting_it_back\n"
         "pytest_add_cli_args_test_selection =\n    " + "\n    ".join(TESTS) + "\n")
-    done = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=work)
+    done = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=work,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
     if done.returncode:
         raise SystemExit(f"mutmut run failed (exit {done.returncode}); its files are in {work}")
 

@@ -148,7 +148,7 @@ def test_token_logprobs_match_naive_and_ignore_left_padding(tiny):
             naive = torch.log_softmax(logits.float(), -1).gather(-1, c.completion_ids[:, None]).squeeze(-1)
             k = len(c.completion_ids)
             assert torch.allclose(got[i, :k], naive, atol=1e-5), (i, temperature)
-            assert torch.all(got[i, k:] == 0) and torch.all(entropy[i, :k] > 0)
+            assert torch.all(got[i, k:] == 0) and torch.all(entropy[i, k:] == 0) and torch.all(entropy[i, :k] > 0)
             probs = torch.softmax(logits.float(), -1)
             assert torch.allclose(entropy[i, :k], -(probs * probs.log()).sum(-1), atol=1e-4)
 
@@ -240,6 +240,10 @@ def test_chunk_count_splits_only_where_it_saves_enough():
     assert forwards.chunk_count(torch.tensor([1, 5, 9]), 3) == 3
     assert forwards.chunk_count(torch.tensor([1, 8, 9]), 3) == 2
     assert forwards.chunk_count(torch.tensor([1, 5, 9]), 2) == 2
+    # two rows [s0 s1]: a second forward pays off when s0 - s1 > 0.1 x 2 x s0, the longest row's rectangle
+    assert forwards.chunk_count(torch.tensor([100, 82]), 2) == 1  # saves 18 < 20
+    assert forwards.chunk_count(torch.tensor([100, 79]), 2) == 2  # saves 21 > 20
+    assert forwards.chunk_count(torch.tensor([0, 2]), 2) == 2  # an empty completion counts as 1: saves 1 > 0.4
 
 
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=9), st.integers(1, 5))
@@ -281,15 +285,72 @@ def test_shared_prompt_gradient_check_fails_when_copies_do_not_carry_gradient(ti
     assert any("mlp" in n for n in differs) and any("k_proj" in n for n in differs)
 
 
-def test_shared_prompt_forward_refuses_gradient_checkpointing(tiny_model_dir):
+def test_shared_prompt_forward_refuses_gradient_checkpointing(tiny):
     """transformers drops the KV cache of a checkpointed layer under grad: sharing would score completions
     without their prompt, so it stops instead."""
-    import models
-
-    tokenizer = models.load_tokenizer(str(tiny_model_dir))
-    model = models.load_policy(str(tiny_model_dir), torch.float32, gradient_checkpointing=True).train()
+    model, tokenizer = tiny
     ids, attn, cmask = repeated_prompt_batch(tokenizer)
-    with pytest.raises(ValueError, match="gradient checkpointing"):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        model.train()
+        with pytest.raises(ValueError, match="^gradient checkpointing runs layers without their KV cache: prompts "
+                                             "cannot be shared$"):
+            forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)
+        with torch.no_grad():  # without gradient the layers run as they are, cache included
+            forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)
+    finally:  # the model is shared by the session's tests
+        model.gradient_checkpointing_disable()
+
+
+def test_shared_prompt_forward_needs_one_common_token_and_says_so_without(tiny):
+    """Prompts that share only their first token still share it (the plain logits), prompts that share
+    nothing stop with the flag that turns sharing off."""
+    model, tokenizer = tiny
+    model.eval()
+    one = [Completion(torch.tensor(p), torch.tensor(c), False, "") for p, c in
+           (([7, 8, 9, 10], [20, 21]), ([7, 5, 6], [22, 23, 24]), ([7, 11, 12, 13, 14], [25]))]
+    ids, attn, cmask = pack(one, tokenizer.pad_token_id, "cpu")
+    assert forwards.hoist_common_prefix(ids, attn, ids.shape[1] - cmask.shape[1])[2] == 1
+    with torch.no_grad():
+        shared = forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)
+        plain = forwards.completion_logits(model, ids, attn, cmask.shape[1])
+    torch.testing.assert_close(shared[cmask.bool()], plain[cmask.bool()], atol=1e-5, rtol=1e-5)
+    none = [Completion(torch.tensor(p), torch.tensor([20]), False, "") for p in ([7, 8, 9], [3, 8, 9])]
+    ids, attn, cmask = pack(none, tokenizer.pad_token_id, "cpu")
+    with pytest.raises(ValueError, match=r"^sharing prompts in the update needs prompts that start alike \(a chat "
+                                         r"template\) and have at least 3 tokens: use --no-share-prompt-forward$"):
         forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)
+
+
+@pytest.mark.parametrize("share, chunks", [(False, 1), (True, 1), (False, 3), (True, 3)])
+def test_only_the_completion_positions_go_through_the_lm_head(tiny, share, chunks):
+    """The LM head (152k columns at 7B: the largest product of a position) sees each row's completion
+    positions up to its group's width, plus one position for each forward of the shared prefix tree
+    (the common prefix, each distinct prompt's rest), and nothing else."""
+    model, tokenizer = tiny
+    ids, attn, cmask = repeated_prompt_batch(tokenizer)  # completions 4 2 6 5 6 1 of 3 distinct prompts
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1].numel()))
+    try:
+        with torch.no_grad():
+            forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=share, chunks=chunks)
+    finally:
+        hook.remove()
+    widths = 6 * 6 if chunks == 1 else 2 * 6 + 2 * 5 + 2 * 2  # one group of 6, or {6 6} {5 4} {2 1}
+    assert sum(rows) == widths + (1 + 3 if share else 0), rows
+
+
+def test_completion_logits_are_divided_by_the_temperature(tiny):
+    """At temperature 1 (the default) the model's own logits, at 2 half of them, at 0.5 twice."""
+    model, tokenizer = tiny
+    ids, attn, cmask = repeated_prompt_batch(tokenizer)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=attn, position_ids=forwards.position_ids(attn)).logits
+        plain = plain[:, ids.shape[1] - cmask.shape[1] - 1:-1]
+        keep = cmask.bool()
+        for temperature in (None, 2.0, 0.5):
+            args = () if temperature is None else (temperature,)
+            got = forwards.completion_logits(model, ids, attn, cmask.shape[1], *args)
+            torch.testing.assert_close(got[keep], plain[keep] / (temperature or 1.0), atol=1e-5, rtol=1e-5)
     with torch.no_grad():  # without gradient the layers run as they are, cache included
         forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True)
