@@ -72,6 +72,41 @@ def test_clipping_by_hand():
     assert s["ratio_mean"] == pytest.approx(0.5)
 
 
+def test_clip_and_kl_statistics_by_hand():
+    """Each token's clip side, counted over unmasked tokens only: ratios 0.5, 0.8 (on the low bound: not
+    clipped), 1.5, 1.2 (on the high bound) and 0.5, 1.5 at a masked position, advantages of each sign and 0
+    (never clipped). Default bounds: 0.2 either side."""
+    lp = [[math.log(0.5), math.log(0.8), math.log(1.5)], [math.log(1.2), math.log(0.5), math.log(1.5)],
+          [math.log(0.5), math.log(1.5), 0.0]]
+    mask, adv = [[1, 1, 1], [1, 1, 0], [1, 1, 0]], [-1.0, 1.0, 0.0]
+    zeros = [[0.0] * 3] * 3
+    _, s = _loss(lp, zeros, adv, mask)
+    # row 0 (A < 0): 0.5 clipped low; 0.8 on the bound; 1.5 not (pessimistic side). Row 1 (A > 0): 1.2 on the
+    # bound, 0.5 not, 1.5 masked. Row 2 (A = 0): nothing. 7 tokens.
+    assert s["clip_frac_low"] == pytest.approx(1 / 7) and s["clip_frac_high"] == 0.0 and s["tokens"] == 7
+    _, s = _loss(lp, zeros, [1.0, 1.0, 1.0], mask)  # every row's 1.5 counts where unmasked: rows 0 and 2
+    assert s["clip_frac_high"] == pytest.approx(2 / 7) and s["clip_frac_low"] == 0.0
+    loss, _ = _loss([[math.log(3.0)]], [[0.0]], [1.0], [[1]])  # the default upper bound is 1.2
+    assert loss.item() == pytest.approx(-1.2)
+    loss, _ = _loss([[math.log(0.1)]], [[0.0]], [-1.0], [[1]])  # the default lower bound is 0.8
+    assert loss.item() == pytest.approx(0.8)
+    # KL: per token k3 with ref = logp + log 2 on the unmasked tokens, log 3 on the masked one
+    ref = torch.tensor([[math.log(2.0), math.log(2.0)], [math.log(2.0), math.log(3.0)]])
+    _, s = _loss([[0.0, 0.0], [0.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0], [[1, 1], [1, 0]], ref_logps=ref,
+                 beta=0.1)
+    assert s["kl"] == pytest.approx(1 - math.log(2))
+    assert _loss([[0.0]], [[0.0]], [1.0], [[1]])[1]["kl"] == 0.0  # no KL term: 0
+
+
+def test_policy_loss_messages():
+    with pytest.raises(ValueError, match="^beta > 0 needs ref_logps$"):
+        _loss([[0.0]], [[0.0]], [0.0], [[1]], beta=0.1)
+    with pytest.raises(ValueError, match="^loss_type='dr_grpo' needs max_completion_len$"):
+        _loss([[0.0]], [[0.0]], [0.0], [[1]], loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="^loss_type must be 'grpo', 'dapo' or 'dr_grpo', got 'ppo'$"):
+        _loss([[0.0]], [[0.0]], [0.0], [[1]], loss_type="ppo")
+
+
 def test_k3_kl_by_hand():
     loss, s = _loss([[0.0]], [[0.0]], [0.0], [[1]], ref_logps=torch.tensor([[math.log(2.0)]]), beta=0.1)
     assert s["kl"] == pytest.approx(1 - math.log(2))
@@ -331,13 +366,20 @@ def test_only_the_completion_positions_go_through_the_lm_head(tiny, share, chunk
     ids, attn, cmask = repeated_prompt_batch(tokenizer)  # completions 4 2 6 5 6 1 of 3 distinct prompts
     rows = []
     hook = model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1].numel()))
+    widths = 6 * 6 if chunks == 1 else 2 * 6 + 2 * 5 + 2 * 2  # one group of 6, or {6 6} {5 4} {2 1}
     try:
         with torch.no_grad():
             forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=share, chunks=chunks)
+            assert sum(rows) == widths + (1 + 3 if share else 0), rows
+            rows.clear()  # token_logprobs passes its settings on (one micro-batch of all 6 rows)
+            forwards.token_logprobs(model, ids, attn, cmask, 6, share_prompts=share, chunks=chunks)
+            assert sum(rows) == widths + (1 + 3 if share else 0), rows
+            rows.clear()  # the defaults: one plain forward
+            forwards.completion_logits(model, ids, attn, cmask.shape[1])
+            forwards.token_logprobs(model, ids, attn, cmask, 6)
+            assert rows == [6 * 6, 6 * 6]
     finally:
         hook.remove()
-    widths = 6 * 6 if chunks == 1 else 2 * 6 + 2 * 5 + 2 * 2  # one group of 6, or {6 6} {5 4} {2 1}
-    assert sum(rows) == widths + (1 + 3 if share else 0), rows
 
 
 def test_completion_logits_are_divided_by_the_temperature(tiny):

@@ -114,6 +114,44 @@ def test_tfidf_forgets_a_removed_document_and_ignores_an_unknown_one():
     assert [ts[0].problem_id for _, ts in pool.similar("apples", 5)] == ["b"] and pool.index.df["pears"] == 0
 
 
+def test_tfidf_scores_by_hand():
+    """Smoothed idf ln((1 + N) / (1 + df)) + 1 (a term in no document: df 0), tf x idf vectors, cosine. Three
+    documents; the query repeats one term and holds one no document has."""
+    from pool import TfidfIndex
+
+    index = TfidfIndex()
+    for doc_id, text in (("d1", "apple banana banana"), ("d2", "Apple cherry"), ("d3", "durian")):
+        index.add(doc_id, text)
+    apple, single, unknown = math.log(4 / 3) + 1, math.log(4 / 2) + 1, math.log(4 / 1) + 1
+    q_norm = math.sqrt(apple**2 + (2 * single) ** 2 + unknown**2)
+    d1 = (apple**2 + 2 * single * 2 * single) / (q_norm * math.sqrt(apple**2 + (2 * single) ** 2))
+    d2 = apple**2 / (q_norm * math.sqrt(apple**2 + single**2))
+    got = index.query("apple banana BANANA zebra", 5, set())
+    assert [d for d, _ in got] == ["d1", "d2"]  # d3 shares no term
+    assert got[0][1] == pytest.approx(d1, rel=1e-12) and got[1][1] == pytest.approx(d2, rel=1e-12)
+    assert index.query("apple banana", 1, {"d1"}) == [("d2", pytest.approx(apple**2 / (
+        math.sqrt(apple**2 + single**2) ** 2)))]
+
+
+def test_pool_caps_similar_order_and_eviction_by_hand():
+    """Caps of 1 are allowed, 0 is not; similar() gives each problem's trials newest first; an evicted
+    problem leaves no trace in the text index the twin check uses (it stays as small as the pool)."""
+    with pytest.raises(ValueError, match="^pool caps must be >= 1$"):
+        ExperiencePool(max_per_problem=0)
+    with pytest.raises(ValueError, match="^pool caps must be >= 1$"):
+        ExperiencePool(max_problems=0)
+    with pytest.raises(ValueError, match="^trial kind must be one of .*, got 'hint'$"):
+        ExperiencePool().add([trial("p", "x", kind="hint")])
+    pool = ExperiencePool(max_per_problem=3, max_problems=1)
+    pool.add([trial("a", "add two numbers", "first", step=1), trial("a", "add two numbers", "second", step=2),
+              trial("a", "add two numbers", "third", step=3)])
+    assert [t.response for t in pool.similar("add numbers", 1, exclude_id="q")[0][1]] == ["third", "second", "first"]
+    pool.add([trial("b", "multiply numbers")])
+    assert list(pool.trials) == ["b"] and sum(len(ids) for ids in pool.ids_by_key.values()) == 1
+    assert ExperiencePool(max_per_problem=1, max_problems=1).max_problems == 1
+    assert (ExperiencePool().max_per_problem, ExperiencePool().max_problems) == (8, 20000)  # lanpo.Config's too
+
+
 def test_pool_saves_readable_utf8_atomically_and_load_replaces_everything(tmp_path, monkeypatch):
     """UTF-8 on any locale, non-ASCII text as it is (head shows it), a lone surrogate escaped exactly; written
     to pool.jsonl.tmp and renamed; loading forgets what the pool held before, index included."""
@@ -215,6 +253,42 @@ def test_shorten_keeps_head_and_tail(tiny):
     marker = len(tokenizer.encode(reflect.ELISION, add_special_tokens=False))
     assert len(tokenizer.encode(short, add_special_tokens=False)) <= 40 + marker + 2  # +2: merges at the seams
     assert reflect.shorten("tiny", tokenizer, 40) == "tiny"
+
+
+def test_shorten_by_hand(tiny):
+    """A text of exactly max_tokens tokens is kept whole; one token more keeps the first max_tokens // 2 and the
+    last max_tokens - max_tokens // 2 tokens around the marker, special-token strings dropped."""
+    _, tokenizer = tiny
+    words = " ".join(str(i % 10) for i in range(12))
+    ids = tokenizer.encode(words, add_special_tokens=False)
+    assert reflect.shorten(words, tokenizer, len(ids)) == words
+    short = reflect.shorten(words, tokenizer, len(ids) - 1)
+    head, tail = (len(ids) - 1) // 2, len(ids) - 1 - (len(ids) - 1) // 2
+    assert short == tokenizer.decode(ids[:head]) + reflect.ELISION + tokenizer.decode(ids[-tail:])
+    marked = "<|im_start|>" + "7 " * 30 + "<|im_start|>"
+    assert "<|im_start|>" not in reflect.shorten(marked, tokenizer, 6).replace(reflect.ELISION, "")
+
+
+def test_reflection_prompt_shows_the_problem_and_the_attempts_newest_first(tiny):
+    """The rendered prompt holds the problem, every attempt in the order given and the worked example when
+    asked; the second value is the attempts as shown, blank-line separated. The leaky ablations add the
+    verdicts (with-reward) or the gold answer (with-gold) and keep the problem."""
+    _, tokenizer = tiny
+    problem, attempts = "What is 12 + 30?", ["12 + 30 = 42", "12 + 30 = 41"]
+    text, shown = reflect.reflection_prompt(tokenizer, problem, attempts, attempt_tokens=64, one_shot=False)
+    assert shown == "12 + 30 = 42\n\n12 + 30 = 41"
+    assert text == prompts.render_prompt(tokenizer, prompts.reflection_request(problem, attempts), False)
+    assert f"Problem: {problem}" in text and text.index("= 42") < text.index("= 41")
+    worked = reflect.reflection_prompt(tokenizer, problem, attempts, attempt_tokens=64, one_shot=True)[0]
+    assert worked == prompts.render_prompt(tokenizer, prompts.reflection_request(problem, attempts), True) != text
+    rewarded = reflect.reflection_prompt(tokenizer, problem, attempts, attempt_tokens=64, one_shot=False,
+                                         mode="with-reward", rewards=[1.0, 0.0])[0]
+    assert f"Problem: {problem}" in rewarded
+    assert "12 + 30 = 42\n(This attempt was correct.)" in rewarded
+    assert "12 + 30 = 41\n(This attempt was incorrect.)" in rewarded
+    gold = reflect.reflection_prompt(tokenizer, problem, attempts, attempt_tokens=64, one_shot=False,
+                                     mode="with-gold", gold="42")[0]
+    assert f"Problem: {problem}" in gold and "The correct final answer is 42." in gold
 
 
 def test_forged_turns_are_neutralized(tiny):

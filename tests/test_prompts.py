@@ -1,6 +1,8 @@
 """prompts.py: every prompt's exact wording, so that a change of what the policy reads is a deliberate diff here
 (and of the golden runs), never a side effect; untrusted text neutralized."""
 
+import copy
+
 import pytest
 
 import prompts
@@ -22,7 +24,7 @@ def test_plain_and_reflection_requests_word_for_word():
         "Problem: P?\n\nEarlier attempt 1:\na1\n\nEarlier attempt 2:\na2\n\nThe earlier attempts above may or may "
         "not contain mistakes. Check every step critically, then solve the problem yourself from the beginning.\n"
         f"{FORMAT}")
-    with pytest.raises(ValueError, match="reflection needs at least one earlier attempt"):
+    with pytest.raises(ValueError, match="^reflection needs at least one earlier attempt$"):
         prompts.reflection_request("P?", [])
 
 
@@ -61,9 +63,9 @@ def test_abstraction_prompts_word_for_word():
 
 
 def test_untrusted_text_cannot_forge_a_turn_or_break_encoding():
-    specials = ["<|im_start|>", "<|im_end|>", "x"]  # one-character strings are left alone
-    assert prompts.neutralize("a<|im_end|>b<|im_start|>x", specials) == \
-        "a<\u200b|im_end|>b<\u200b|im_start|>x"
+    specials = ["<|im_start|>", "<|im_end|>", "<s", "x"]  # one-character strings are left alone
+    assert prompts.neutralize("a<|im_end|>b<|im_start|>x<s", specials) == \
+        "a<\u200b|im_end|>b<\u200b|im_start|>x<\u200bs"
     assert prompts.encodable("ok\udcff\ud800!") == "ok\ufffd\ufffd!"
     assert prompts.neutralize("bad \udcff", specials) == "bad \ufffd"
 
@@ -72,6 +74,10 @@ def test_rendering_adds_the_worked_example_only_when_asked(tiny):
     _, tokenizer = tiny
     # the special and added tokens, longest first (so a longer one is broken before a shorter one inside it)
     assert prompts.special_token_strings(tokenizer) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    added = copy.deepcopy(tokenizer)  # a token added as special text only (a tool tag), in no special map
+    added.add_tokens(["<tool>"], special_tokens=True)
+    assert "<tool>" not in added.all_special_tokens
+    assert prompts.special_token_strings(added) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool>"]
     plain = prompts.render_prompt(tokenizer, "Q<|im_end|>", one_shot=False)
     assert plain == "<|im_start|>user\nQ<\u200b|im_end|><|im_end|>\n<|im_start|>assistant\n"
     shot = prompts.render_prompt(tokenizer, "Q", one_shot=True)
