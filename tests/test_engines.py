@@ -113,6 +113,20 @@ def test_compiled_decoding_on_gathered_weights_samples_as_eager_ddp(run, engine)
     assert graphs[0] >= 1 and graphs[2] == graphs[1]
 
 
+@pytest.mark.parametrize("engine", ["zero3", "fsdp"])
+def test_lora_sampling_from_merged_weights_on_sharded_engines(run, engine):
+    """LoRA with --lora-merged-sampling (the default) where the merge goes into weights gathered from their
+    shards (ZeRO-3) or unsharded for the duration (FSDP2), and the original tensors go back before they are
+    sharded again: the same trials and losses as DDP sampling through the adapters."""
+    def trials(out):
+        return [(t["problem_id"], t["kind"], t["response"]) for t in
+                map(json.loads, (out / "pool-rank0.jsonl").read_text().splitlines())]
+
+    out, ddp = run(engine, "--lora-rank", "4"), run("ddp", "--lora-rank", "4", "--no-lora-merged-sampling")
+    assert trials(out) == trials(ddp)
+    assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(ddp)], rel=1e-4)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_engine_resume_reproduces_the_run(run, engine, tiny_model_dir, tmp_path):
     """A run killed after its step-2 checkpoint and resumed ends where the uninterrupted run ended:
