@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_engines  # noqa: E402
+from lanpo_overhead import copy_bandwidth_gb_s  # noqa: E402
 
 import cpu  # noqa: E402
 import models  # noqa: E402
@@ -42,22 +43,6 @@ import rollout  # noqa: E402
 import stats  # noqa: E402
 
 SETUPS = ["eager", "compiled", "lora", "lora-merged", "lora-merged-compiled"]
-
-
-def bandwidth_gb_s(device: torch.device, seconds: float = 2.0) -> float:
-    """The device's copy bandwidth (GB/s, bytes read plus written), the best of repeated copies of a large tensor
-    (1 GiB on a GPU, 256 MiB on a CPU)."""
-    n = (2**28 if device.type == "cuda" else 2**26)
-    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
-    best, t_end = 0.0, time.perf_counter() + seconds
-    dst.copy_(src)
-    while time.perf_counter() < t_end:
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = max(best, 2 * n * 4 / 1e9 / (time.perf_counter() - t0))
-    return best
 
 
 def sync(device: torch.device) -> None:
@@ -102,8 +87,8 @@ def group_prompts(tokenizer, rows: int) -> list[str]:
 def step_ms(model, tokenizer, texts: list[str], steps: int, compiled: bool, merged: bool) -> float:
     """ms a decoding step: N new tokens against 1, through generate_completions (no EOS, every row runs N)."""
     times = []
-    for n in (1, steps):
-        with models.merged_lora(model) if merged else contextlib.nullcontext():
+    with models.merged_lora(model) if merged else contextlib.nullcontext():
+        for n in (1, steps):
             sync(model.device)
             t0 = time.perf_counter()
             rollout.generate_completions(model, tokenizer, texts, eos_ids=[], max_new_tokens=n, batch_size=len(texts),
@@ -125,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="runs/bench/decode_overhead.json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    bandwidth = bandwidth_gb_s(device)
+    bandwidth = copy_bandwidth_gb_s(str(device))
     plain, tokenizer = load(args.shapes, device, lora=False)
     adapted = load(args.shapes, device, lora=True)[0] if any(s.startswith("lora") for s in args.setups) else None
     gb = weight_gb(plain)

@@ -42,26 +42,42 @@ sys.path.insert(0, str(ROOT))
 import stats  # noqa: E402
 
 
-def machine_peaks(seconds: float = 2.0) -> dict[str, float]:
-    """This machine's fp32 matmul rate (GFLOP/s, 1024 x 1024 products) and copy bandwidth (GB/s, a 256 MB
-    tensor copied: read plus written), each the best of repeated timings over about `seconds`."""
+def _best_rate(fn, work: float, seconds: float, sync=lambda: None) -> float:
+    """work / seconds of the fastest of repeated calls of fn (at least 3, for about `seconds`), after a warm-up.
+    sync waits for the device (CUDA runs asynchronously)."""
     import time
 
+    fn()  # warm-up
+    rates, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(rates) < 3:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        rates.append(work / (time.perf_counter() - t0))
+    return max(rates)
+
+
+def copy_bandwidth_gb_s(device: str = "cpu", seconds: float = 2.0) -> float:
+    """The device's copy bandwidth (GB/s, bytes read plus written): a large tensor copied (256 MB on a CPU, 1 GB
+    on a GPU), the best of repeated copies. bench/decode_overhead.py measures its devices with it too."""
     import torch
 
-    def best(fn, work: float) -> float:
-        fn()  # warm-up
-        rates, t_end = [], time.perf_counter() + seconds
-        while time.perf_counter() < t_end or len(rates) < 3:
-            t0 = time.perf_counter()
-            fn()
-            rates.append(work / (time.perf_counter() - t0))
-        return max(rates)
+    cuda = torch.device(device).type == "cuda"
+    n = 2**28 if cuda else 2**26
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    return _best_rate(lambda: dst.copy_(src), 2 * n * 4 / 1e9, seconds, sync)
+
+
+def machine_peaks(seconds: float = 2.0) -> dict[str, float]:
+    """This machine's fp32 matmul rate (GFLOP/s, 1024 x 1024 products) and copy bandwidth (GB/s,
+    `copy_bandwidth_gb_s`), each the best of repeated timings over about `seconds`."""
+    import torch
 
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    src, dst = torch.randn(64 * 2**20), torch.empty(64 * 2**20)
-    return {"peak_gflop_s": best(lambda: a @ b, 2 * 1024**3 / 1e9),
-            "bandwidth_gb_s": best(lambda: dst.copy_(src), 2 * src.numel() * 4 / 1e9)}
+    return {"peak_gflop_s": _best_rate(lambda: a @ b, 2 * 1024**3 / 1e9, seconds),
+            "bandwidth_gb_s": copy_bandwidth_gb_s("cpu", seconds)}
 
 
 def roofline_s(gflop: float, weight_gb: float, peaks: dict[str, float]) -> float:

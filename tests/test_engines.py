@@ -97,17 +97,19 @@ def test_engine_trains_like_ddp(run, engine):
         assert difference.max() <= 1e-4 and difference.mean() <= 2e-7, (name, difference.max(), difference.mean())
 
 
+def _trials(out) -> list[tuple]:
+    """(problem, kind, response) of every trial in rank 0's pool of a run."""
+    return [(t["problem_id"], t["kind"], t["response"]) for t in
+            map(json.loads, (out / "pool-rank0.jsonl").read_text().splitlines())]
+
+
 @pytest.mark.parametrize("engine", ["zero3", "fsdp"])
 def test_compiled_decoding_on_gathered_weights_samples_as_eager_ddp(run, engine):
     """--compile-decoding where generate runs on weights gathered from their shards (ZeRO-3) or on layers
     unsharded for the duration (FSDP2, whose hooks split the step into several graphs): every process samples
     the eager DDP run's trials, and step 3, with step 2's shapes, compiles nothing new."""
-    def trials(out):
-        return [(t["problem_id"], t["kind"], t["response"]) for t in
-                map(json.loads, (out / "pool-rank0.jsonl").read_text().splitlines())]
-
     out = run(engine, "--compile-decoding")
-    assert trials(out) == trials(run("ddp"))
+    assert _trials(out) == _trials(run("ddp"))
     assert (out / "pool-rank0.jsonl").read_bytes() == (out / "pool-rank1.jsonl").read_bytes()
     graphs = [r["compiled_graphs"] for r in metrics(out)]
     assert graphs[0] >= 1 and graphs[2] == graphs[1]
@@ -118,12 +120,8 @@ def test_lora_sampling_from_merged_weights_on_sharded_engines(run, engine):
     """LoRA with --lora-merged-sampling (the default) where the merge goes into weights gathered from their
     shards (ZeRO-3) or unsharded for the duration (FSDP2), and the original tensors go back before they are
     sharded again: the same trials and losses as DDP sampling through the adapters."""
-    def trials(out):
-        return [(t["problem_id"], t["kind"], t["response"]) for t in
-                map(json.loads, (out / "pool-rank0.jsonl").read_text().splitlines())]
-
     out, ddp = run(engine, "--lora-rank", "4"), run("ddp", "--lora-rank", "4", "--no-lora-merged-sampling")
-    assert trials(out) == trials(ddp)
+    assert _trials(out) == _trials(ddp)
     assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(ddp)], rel=1e-4)
 
 
