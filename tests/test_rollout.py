@@ -10,6 +10,7 @@ import torch
 import cpu
 import prompts
 import rollout
+from transformers.cache_utils import DynamicLayer
 from forwards import cache_kwarg, hoist_common_prefix
 from rollout import generate_completions, shared_prefill
 
@@ -84,6 +85,59 @@ def test_shared_prefill_samples_the_same_completions(tiny, greedy):
             assert a.prompt_ids.tolist() == b.prompt_ids.tolist(), i
             assert a.completion_ids.tolist() == b.completion_ids.tolist(), (seed, i)
             assert (a.truncated, a.text) == (b.truncated, b.text)
+
+
+@pytest.mark.parametrize("room", [10, 4])
+def test_reserved_cache_gives_the_dynamic_caches_logits_bit_for_bit(tiny, room):
+    """Keys and values written into room kept behind the prompt's cache: the same tokens and the same logits,
+    bit for bit, as DynamicCache's concatenation. With room for every new token the buffers are allocated once
+    (by generate()'s first forward, after the prefill's row copies) and every later step writes in place; with
+    less room they grow, and the logits are the same still."""
+    model, tokenizer = tiny
+    model.eval()
+    enc, rows, _, _ = encoded_groups(tokenizer, 2)
+    settings = dict(do_sample=False, max_new_tokens=10, output_logits=True, return_dict_in_generate=True,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=[], min_new_tokens=10)
+    outs, layers = [], []
+    for reserve in (0, room):
+        ids, mask, cache = shared_prefill(model, enc.input_ids, enc.attention_mask, rows, reserve)
+        assert all(type(layer) is (rollout.ReservedLayer if reserve else DynamicLayer) for layer in cache.layers)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, **settings, **{cache_kwarg(): cache}))
+        layers.append(cache.layers)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for step, (a, b) in enumerate(zip(outs[0].logits, outs[1].logits)):
+        assert torch.equal(a, b), step
+    for plain, reserved in zip(*layers):
+        assert torch.equal(plain.keys, reserved.keys) and torch.equal(plain.values, reserved.values)
+        length = ids.shape[1] + 9  # the prompt and the tokens fed back (the 10th is sampled, not fed)
+        assert reserved.keys.shape[-2] == length and reserved.keys.data_ptr() == reserved._buffers[0].data_ptr()
+        if room == 10:  # allocated once, at the prompt's length + room: no copy after the first decoding step
+            assert reserved._buffers[0].shape[-2] == ids.shape[1] + room
+        else:
+            assert reserved._buffers[0].shape[-2] >= length
+
+
+def test_generate_completions_decodes_into_reserved_room(tiny, monkeypatch):
+    """generate_completions keeps room for its longest limit (shared prefill or not) and samples what the
+    DynamicCache path samples, fixed seed; a call with the plain cache patched in is the reference."""
+    model, tokenizer = tiny
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    texts = group_prompts(tokenizer, 2) + [prompts.render_prompt(tokenizer, "Say Yes or No.", False)]
+    rooms = []
+    real = rollout.reserved_cache
+    monkeypatch.setattr(rollout, "reserved_cache", lambda room: rooms.append(room) or real(room))
+    for share in (True, False):
+        outs = []
+        for patched in (False, True):
+            if patched:
+                monkeypatch.setattr(rollout, "reserved_cache", lambda room: real(0))
+            torch.manual_seed(0)
+            outs.append(generate_completions(model, tokenizer, texts, eos_ids=eos, max_new_tokens=[9] * 6 + [14],
+                                             greedy=[False] * 6 + [True], batch_size=4, share_prefill=share))
+            monkeypatch.setattr(rollout, "reserved_cache", lambda room: rooms.append(room) or real(room))
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert a.completion_ids.tolist() == b.completion_ids.tolist(), (share, i)
+    assert rooms == [9, 14, 9, 14]  # per call (4 prompts, then 3), shared or not: its own longest limit
 
 
 def test_greedy_rows_and_row_limits_inside_one_sampling_call(tiny):
