@@ -74,12 +74,14 @@ def _least_padded_splits(size: list[int], most: int) -> tuple[list[float], list[
     return [cost[j][n] for j in range(1, most + 1)], ends[::-1]
 
 
-def chunk_count(lengths: torch.Tensor, most: int) -> int:
+def chunk_count(lengths: torch.Tensor, most: int, price: float | None = None) -> int:
     """How many groups of similar completion length the update's forward over these rows should take, at most
-    `most`: each group beyond the first must save CHUNK_MIN_SAVING of the padded rectangle."""
+    `most`: each group beyond the first must save `price` padded positions, by default CHUNK_MIN_SAVING of the
+    padded rectangle."""
     size = sorted((max(int(n), 1) for n in lengths.tolist()), reverse=True)
     costs, _ = _least_padded_splits(size, min(most, len(size)))
-    best = min(range(len(costs)), key=lambda j: costs[j] + j * CHUNK_MIN_SAVING * len(size) * size[0])
+    price = CHUNK_MIN_SAVING * len(size) * size[0] if price is None else price
+    best = min(range(len(costs)), key=lambda j: costs[j] + j * price)
     return best + 1
 
 
@@ -94,7 +96,8 @@ def length_chunks(lengths: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor
 
 
 def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                      temperature: float = 1.0, share_prompts: bool = False, chunks: int = 1) -> torch.Tensor:
+                      temperature: float = 1.0, share_prompts: bool = False, chunks: int = 1,
+                      prompt_chunks: int = 1) -> torch.Tensor:
     """Logits [N, C, V] at the C positions that predict the completion tokens of [left-padded prompt |
     completion] rows, divided by the sampling temperature (the sampled distribution was softmax(logits / T)).
     Right padding past the longest completion of a row's group (below) holds 0; callers mask padding anyway.
@@ -107,10 +110,12 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
     share_prompts: the prefix all prompts share goes through the model once, every distinct prompt once, and
     the rows' completions attend to their KV cache (`shared_prompt_logits`), instead of each row encoding its
-    own copy. The same function of the weights, gradient included, up to float rounding; less compute."""
+    own copy. The same function of the weights, gradient included, up to float rounding; less compute.
+    prompt_chunks: the distinct prompts go through the model in exactly that many forwards over column ranges
+    (`prompt_chunk_count` says how many pay); the same rule for collective forwards as `chunks`."""
     groups = length_chunks(attention_mask[:, -n_completion:].sum(dim=1), chunks)
     if share_prompts:
-        parts = shared_prompt_logits(model, input_ids, attention_mask, n_completion, groups)
+        parts = shared_prompt_logits(model, input_ids, attention_mask, n_completion, groups, prompt_chunks)
     else:
         n_prompt = input_ids.shape[1] - n_completion
         parts = []
@@ -149,15 +154,55 @@ def hoist_common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return ids, mask, k
 
 
+def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor, k: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For hoisted rows (`hoist_common_prefix`, prefix k): each row's distinct prompt (by its columns k..split,
+    the rest without its last token) and the first row of each distinct prompt."""
+    key = torch.cat([ids[:, k:split], mask[:, k:split]], dim=1)
+    _, prompt_of = torch.unique(key, dim=0, return_inverse=True)
+    order = torch.arange(len(prompt_of), device=prompt_of.device)
+    first = torch.full((int(prompt_of.max()) + 1,), len(prompt_of), device=prompt_of.device).scatter_reduce(
+        0, prompt_of, order, "amin")
+    return prompt_of, first
+
+
+def prompt_chunk_count(input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int, most: int) -> int:
+    """How many forwards over column ranges the distinct prompts of these rows should take in forward (2) of
+    `shared_prompt_logits`, at most `most`: `chunk_count` of their lengths after the shared prefix, an extra
+    forward priced as one over the completions (CHUNK_MIN_SAVING of the rows x the completions' width: a
+    forward's fixed cost does not shrink with the few distinct prompts it runs)."""
+    split = input_ids.shape[1] - n_completion - 1
+    ids, mask, k = hoist_common_prefix(input_ids, attention_mask, split + 1)
+    if k < 1:
+        return 1
+    _, first = distinct_prompts(ids, mask, k, split)
+    return chunk_count(mask[first, k:split].sum(dim=1), most, CHUNK_MIN_SAVING * len(ids) * n_completion)
+
+
+def prompt_column_cuts(lengths: torch.Tensor, width: int, ranges: int) -> list[int]:
+    """Where forward (2)'s `ranges` column ranges over a region of `width` columns begin and end (0, ..., width):
+    prompts are left-padded, so a prompt of length n takes part in every range that ends after column width - n.
+    The cuts sit where the least padded split of the lengths into `ranges` groups (`_least_padded_splits`) puts
+    them; ranges are at least one column wide (width >= ranges), the widest halved while there are too few."""
+    size = sorted((max(int(n), 1) for n in lengths.tolist()), reverse=True)
+    _, ends = _least_padded_splits(size, min(ranges, len(size)))
+    cuts = sorted({0, width, *(width - size[end] for end in ends[:-1])})
+    while len(cuts) < ranges + 1:
+        i = max(range(len(cuts) - 1), key=lambda j: cuts[j + 1] - cuts[j])
+        cuts.insert(i + 1, (cuts[i] + cuts[i + 1]) // 2)
+    return cuts
+
+
 def shared_prompt_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                         groups: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+                         groups: list[tuple[torch.Tensor, int]], prompt_chunks: int = 1) -> list[torch.Tensor]:
     """`completion_logits` as a prefix tree: (1) the prefix every prompt of the batch starts with (the chat
     template's system turn and worked example), once; (2) the rest of each distinct prompt without its last
-    token, once per distinct prompt, attending to (1); (3) for each group of rows (`length_chunks`), every
-    row's last prompt token and completion up to the group's width, attending to its prompt's cache. The
-    cache's rows are copied by indexing, so the gradient of every copy flows back into the forward that made
-    it. The number of forwards depends on the groups only, whatever repeats, so that processes whose forwards
-    are collective (ZeRO-3) make the same calls. Returns each group's logits [rows, width, V]."""
+    token, once per distinct prompt, attending to (1), in `prompt_chunks` forwards over consecutive column
+    ranges (`prompt_column_cuts`), each over the prompts with tokens in its columns, so that short prompts are
+    not padded to the longest; (3) for each group of rows (`length_chunks`), every row's last prompt token and
+    completion up to the group's width, attending to its prompt's cache. The cache's rows are copied by
+    indexing, so the gradient of every copy flows back into the forward that made it. The number of forwards,
+    1 + prompt_chunks + len(groups), depends on the counts only, whatever repeats, so that processes whose
+    forwards are collective (ZeRO-3) make the same calls. Returns each group's logits [rows, width, V]."""
     from transformers import DynamicCache
     split = input_ids.shape[1] - n_completion - 1  # columns before each row's last prompt token
     if torch.is_grad_enabled() and model.training and any(
@@ -167,19 +212,33 @@ def shared_prompt_logits(model, input_ids: torch.Tensor, attention_mask: torch.T
     if k < 1:
         raise ValueError("sharing prompts in the update needs prompts that start alike (a chat template) and "
                          "have at least 3 tokens: use --no-share-prompt-forward")
+    # every range at least one column wide: where the rests are narrower than that, the prefix gives back its
+    # last columns (the same tokens in every row, which the first range then computes for each prompt)
+    k = min(k, split - prompt_chunks)
+    if k < 1:
+        raise ValueError(f"{prompt_chunks} forwards over the prompts need prompts of at least "
+                         f"{prompt_chunks + 2} tokens: lower --update-chunks or use --no-share-prompt-forward")
+    prompt_of, first = distinct_prompts(ids, mask, k, split)
+    cuts = [k + c for c in prompt_column_cuts(mask[first, k:split].sum(dim=1), split - k, prompt_chunks)]
     positions, name = position_ids(mask), cache_kwarg()
-    key = torch.cat([ids[:, k:split], mask[:, k:split]], dim=1)
-    _, prompt_of = torch.unique(key, dim=0, return_inverse=True)
-    order = torch.arange(len(prompt_of), device=prompt_of.device)
-    first = torch.full((int(prompt_of.max()) + 1,), len(prompt_of), device=prompt_of.device).scatter_reduce(
-        0, prompt_of, order, "amin")
     cache = DynamicCache()
     model(input_ids=ids[:1, :k], attention_mask=mask[:1, :k], position_ids=positions[:1, :k], use_cache=True,
           logits_to_keep=1, **{name: cache})
-    cache.batch_select_indices(torch.zeros_like(first))
-    model(input_ids=ids[first, k:split], attention_mask=mask[first, :split], position_ids=positions[first, k:split],
-          use_cache=True, logits_to_keep=1, **{name: cache})
-    prompt_kv = [(layer[0], layer[1]) for layer in cache]  # per layer: keys, values of each distinct prompt
+    n = len(first)
+    prompt_kv = [(layer[0].expand(n, -1, -1, -1), layer[1].expand(n, -1, -1, -1)) for layer in cache]
+    for start, end in zip(cuts[:-1], cuts[1:]):
+        rows = mask[first, start:end].any(dim=1).nonzero().squeeze(1)  # the prompts with tokens in these columns
+        part = DynamicCache()
+        for i, (keys, values) in enumerate(prompt_kv):
+            part.update(keys[rows], values[rows], i)
+        model(input_ids=ids[first[rows], start:end], attention_mask=mask[first[rows], :end],
+              position_ids=positions[first[rows], start:end], use_cache=True, logits_to_keep=1, **{name: part})
+        new = [(layer[0][:, :, start:], layer[1][:, :, start:]) for layer in part]
+        if len(rows) < n:  # the other prompts are padding in these columns: zeros, masked out
+            new = [(keys.new_zeros(n, *keys.shape[1:]).index_copy(0, rows, keys),
+                    values.new_zeros(n, *values.shape[1:]).index_copy(0, rows, values)) for keys, values in new]
+        prompt_kv = [(torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2))
+                     for (keys, values), (new_keys, new_values) in zip(prompt_kv, new)]
     parts = []
     for rows, width in groups:
         rows_cache = DynamicCache()
@@ -194,20 +253,21 @@ def shared_prompt_logits(model, input_ids: torch.Tensor, attention_mask: torch.T
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
                    micro_batch: int, temperature: float = 1.0,
-                   share_prompts: bool = False, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                   share_prompts: bool = False, chunks: int = 1,
+                   prompt_chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (and entropies) of the completion tokens, at the sampling temperature.
 
     input_ids is [left-padded prompt | completion], so every row's completion starts at the same column
     P = T - C. Only the C positions that predict completion tokens go through the LM head
     (`logits_to_keep`), in micro-batches of `micro_batch` rows. Masked positions come back as 0.
-    Gradients flow when called under grad mode. share_prompts, chunks: see `completion_logits`.
+    Gradients flow when called under grad mode. share_prompts, chunks, prompt_chunks: see `completion_logits`.
     """
     n_completion = completion_mask.shape[1]
     logps, entropies = [], []
     for start in range(0, input_ids.shape[0], micro_batch):
         rows = slice(start, start + micro_batch)
         logits = completion_logits(model, input_ids[rows], attention_mask[rows], n_completion, temperature,
-                                   share_prompts, chunks)
+                                   share_prompts, chunks, prompt_chunks)
         lp, ent = selective_log_softmax(logits, input_ids[rows, -n_completion:])
         logps.append(lp)
         entropies.append(ent)

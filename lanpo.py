@@ -150,8 +150,10 @@ class Config:
     micro_batch: int = _f(8, "rollouts per forward/backward; B*G must be a multiple")
     update_chunks: int = _f(4, "at most this many forwards per micro-batch in the update, each over rows of "
                             "similar completion length padded to their own longest, where a split saves enough "
-                            "padding to pay for the extra forward (forwards.chunk_count); 1 = one forward padded to "
-                            "the micro-batch's longest. The same log-probs and gradient, less compute")
+                            "padding to pay for the extra forward (forwards.chunk_count); under "
+                            "--share-prompt-forward as many over the distinct prompts, by length "
+                            "(forwards.prompt_chunk_count); 1 = one forward padded to the micro-batch's longest. "
+                            "The same log-probs and gradient, less compute")
     share_prompt_forward: bool = _f(True, "in the update, run a prompt repeated within a micro-batch (a group's G "
                                     "rollouts) through the model once and let its rows' completions attend to its "
                                     "KV cache: the same loss and gradient, less compute. Turned off (and said) under "

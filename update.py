@@ -59,6 +59,7 @@ class MicroBatch:
     teacher_inputs: tuple | None = None        # (ids, attn) of the self-distillation teacher's prompts
     has_teacher: torch.Tensor | None = None
     chunks: int = 1                            # forwards over its completions (forwards.chunk_count, agreed)
+    prompt_chunks: int = 1                     # and over its distinct prompts (forwards.prompt_chunk_count, agreed)
 
 
 @dataclass
@@ -97,19 +98,24 @@ def micro_batches(model, ref_model, b: UpdateBatch, cfg, pad_id: int, device) ->
         mb = MicroBatch(ids, attn, cmask, b.advantages[idx].to(device), cmask * b.in_loss[idx].to(device)[:, None])
         # every process takes the most groups any wants: under ZeRO-3 and FSDP every forward is collective
         mb.chunks = max(distributed.gather([forwards.chunk_count(mb.cmask.sum(dim=1), cfg.update_chunks)]))
+        if cfg.share_prompt_forward:
+            mb.prompt_chunks = max(distributed.gather([forwards.prompt_chunk_count(
+                mb.ids, mb.attn, mb.cmask.shape[1], cfg.update_chunks)]))
         with torch.no_grad():
             if b.behaviour is not None:  # the same rows, on the prompt each was sampled with
                 sampled = pack([rows[i] if b.behaviour[i] is None else b.behaviour[i] for i in idx], pad_id, device)
                 mb.sampling_logps = forwards.token_logprobs(model, *sampled, cfg.micro_batch, cfg.temperature,
-                                                        cfg.share_prompt_forward, mb.chunks)[0]
+                                                        cfg.share_prompt_forward, mb.chunks, mb.prompt_chunks)[0]
                 mb.off_policy = torch.tensor([b.behaviour[i] is not None for i in idx], device=device)
             if cfg.feedback_grad == "strip" and b.behaviour is not None:
                 mb.old_logps = mb.sampling_logps  # pi(y | plain) / pi(y | feedback): off-policy samples
             elif cfg.ppo_epochs > 1:  # on-policy with one epoch the ratio is exactly 1: no forward needed
                 mb.old_logps = forwards.token_logprobs(model, mb.ids, mb.attn, mb.cmask, cfg.micro_batch,
-                                                   cfg.temperature, cfg.share_prompt_forward, mb.chunks)[0]
+                                                   cfg.temperature, cfg.share_prompt_forward, mb.chunks,
+                                                   mb.prompt_chunks)[0]
             if cfg.beta > 0:
-                mb.ref_logps = reference_logprobs(model, ref_model, mb.ids, mb.attn, mb.cmask, cfg, mb.chunks)
+                mb.ref_logps = reference_logprobs(model, ref_model, mb.ids, mb.attn, mb.cmask, cfg, mb.chunks,
+                                                  mb.prompt_chunks)
         if b.teachers is not None:
             mb.teacher_inputs = pack([rows[i] if b.teachers[i] is None else b.teachers[i] for i in idx],
                                      pad_id, device)[:2]
@@ -126,9 +132,9 @@ def forward(model, mb: MicroBatch, cfg) -> Forward:
         with torch.no_grad():
             teacher_logps, teacher_ids = distill.teacher_logprobs(forwards.completion_logits(
                 model, *mb.teacher_inputs, mb.cmask.shape[1], cfg.temperature, cfg.share_prompt_forward,
-                mb.chunks), cfg.self_distill_topk)
+                mb.chunks, mb.prompt_chunks), cfg.self_distill_topk)
     logits = forwards.completion_logits(model, mb.ids, mb.attn, mb.cmask.shape[1], cfg.temperature,
-                                        cfg.share_prompt_forward, mb.chunks)
+                                        cfg.share_prompt_forward, mb.chunks, mb.prompt_chunks)
     logps, entropy = forwards.selective_log_softmax(logits, mb.ids[:, -mb.cmask.shape[1]:])
     mask = mb.loss_mask.to(logps.dtype)
     logps, entropy = logps * mask, entropy * mask
@@ -245,15 +251,15 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, b: Update
     return {**out, **timings, "skipped_updates": float(skipped)}
 
 
-def reference_logprobs(model, ref_model, ids, attn, cmask, cfg, chunks: int) -> torch.Tensor:
+def reference_logprobs(model, ref_model, ids, attn, cmask, cfg, chunks: int, prompt_chunks: int) -> torch.Tensor:
     """Log-probs under the reference policy: the adapter-disabled model for LoRA (no second copy),
     else the frozen initial copy."""
     if ref_model is None:
         with model.disable_adapter():
             return forwards.token_logprobs(model, ids, attn, cmask, cfg.micro_batch, cfg.temperature,
-                                       cfg.share_prompt_forward, chunks)[0]
+                                       cfg.share_prompt_forward, chunks, prompt_chunks)[0]
     return forwards.token_logprobs(ref_model, ids, attn, cmask, cfg.micro_batch, cfg.temperature,
-                               cfg.share_prompt_forward, chunks)[0]
+                               cfg.share_prompt_forward, chunks, prompt_chunks)[0]
 
 
 # The terms summed into each micro-batch's loss: a new term is one function above and one entry here

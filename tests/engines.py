@@ -33,7 +33,8 @@ def launch(engine: str, args: list[str], processes: int = 2, timeout: int = 300,
            uneven_chunks: bool = False) -> subprocess.CompletedProcess:
     """Run lanpo under `engine` ("single" = one plain process, no launcher) and return the finished process
     (stdout and stderr captured); raises with the processes' output if it fails. uneven_chunks: rank r asks
-    for 1 + 2r forwards over each micro-batch's completions in the update (`forwards.chunk_count`)."""
+    for 1 + 2r forwards over each micro-batch's completions in the update (`forwards.chunk_count`), and as many
+    over its distinct prompts (`forwards.prompt_chunk_count`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", LANPO_TEST_ENGINE=engine, DS_ACCELERATOR="cpu",
                LANPO_TEST_UNEVEN_CHUNKS="1" if uneven_chunks else "")
     if engine == "single":
@@ -135,15 +136,20 @@ def _run(argv: list[str]) -> None:
 
     update.policy_update, abstract.lessons_for, Accelerator.save_state = recorded_update, uneven_lessons, late_save
     groups_made: list[int] = []
+    ranges_made: list[int] = []
     if os.environ.get("LANPO_TEST_UNEVEN_CHUNKS"):
-        real_chunks = forwards.length_chunks
-        forwards.chunk_count = lambda lengths, most: min(most, 1 + 2 * PartialState().process_index)
+        real_chunks, real_cuts = forwards.length_chunks, forwards.prompt_column_cuts
+        wanted = lambda *args: min(args[-1], 1 + 2 * PartialState().process_index)  # noqa: E731
+        forwards.chunk_count = lambda lengths, most, price=None: wanted(most)
+        forwards.prompt_chunk_count = lambda ids, mask, n_completion, most: wanted(most)
         forwards.length_chunks = lambda lengths, chunks: groups_made.append(chunks) or real_chunks(lengths, chunks)
+        forwards.prompt_column_cuts = lambda lengths, width, ranges: (ranges_made.append(ranges)
+                                                                      or real_cuts(lengths, width, ranges))
     pool = lanpo.main(lanpo.parse_config(argv))
     rank = PartialState().process_index
     pool.save(out_dir / f"pool-rank{rank}.jsonl")
     (out_dir / f"engine-updates-rank{rank}.json").write_text(json.dumps(updates))
-    (out_dir / f"update-groups-rank{rank}.json").write_text(json.dumps(groups_made))
+    (out_dir / f"update-groups-rank{rank}.json").write_text(json.dumps([groups_made, ranges_made]))
 
 
 if __name__ == "__main__":

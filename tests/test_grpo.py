@@ -220,7 +220,8 @@ def repeated_prompt_batch(tokenizer):
     return pack(comps, tokenizer.pad_token_id, "cpu")
 
 
-def logits_and_gradients(model, ids, attn, cmask, share: bool, chunks: int = 1, reference: bool = False):
+def logits_and_gradients(model, ids, attn, cmask, share: bool, chunks: int = 1, reference: bool = False,
+                         prompt_chunks: int = 1):
     """The completion logits and the gradient of a weighted sum of the completion log-probs. reference: one
     forward over the whole padded rows, logits of the positions before each completion token, by hand."""
     model.zero_grad(set_to_none=True)
@@ -228,7 +229,8 @@ def logits_and_gradients(model, ids, attn, cmask, share: bool, chunks: int = 1, 
         logits = model(input_ids=ids, attention_mask=attn, position_ids=forwards.position_ids(attn)).logits
         logits = logits[:, ids.shape[1] - cmask.shape[1] - 1:-1] / 0.7
     else:
-        logits = forwards.completion_logits(model, ids, attn, cmask.shape[1], 0.7, share_prompts=share, chunks=chunks)
+        logits = forwards.completion_logits(model, ids, attn, cmask.shape[1], 0.7, share_prompts=share, chunks=chunks,
+                                            prompt_chunks=prompt_chunks)
     logps, _ = forwards.selective_log_softmax(logits, ids[:, -cmask.shape[1]:])
     weights = torch.linspace(-1.0, 2.0, logps.numel()).view_as(logps)
     (logps * cmask * weights).sum().backward()
@@ -237,23 +239,87 @@ def logits_and_gradients(model, ids, attn, cmask, share: bool, chunks: int = 1, 
     return logits.detach(), grads
 
 
-@pytest.mark.parametrize("share, chunks", [(False, 1), (True, 1), (False, 3), (True, 3), (True, 6), (True, 10)])
-def test_shared_and_chunked_forwards_give_the_plain_logits_and_gradients(tiny, share, chunks):
-    """Prompt sharing and length groups change which positions are computed, not the function: the
-    completion logits and the gradient equal one forward over the whole padded rows."""
+# prompt chunks: the distinct prompts' rests (after the 5-token template, without the last token) are 5, 10 and 1
+# tokens wide; 3 ranges cut them at 5 and 9, 8 halve the widest ranges, 12 take 2 columns back from the template
+@pytest.mark.parametrize("share, chunks, prompt_chunks", [(False, 1, 1), (True, 1, 1), (False, 3, 1), (True, 3, 1),
+                                                          (True, 6, 1), (True, 10, 1), (True, 1, 3), (True, 3, 2),
+                                                          (True, 1, 8), (True, 2, 12)])
+def test_shared_and_chunked_forwards_give_the_plain_logits_and_gradients(tiny, share, chunks, prompt_chunks):
+    """Prompt sharing and length groups (of completions, and of prompts by column ranges) change which
+    positions are computed, not the function: the completion logits and the gradient equal one forward over
+    the whole padded rows."""
     model, tokenizer = tiny
     model.train()
     ids, attn, cmask = repeated_prompt_batch(tokenizer)
     plain_logits, plain_grads = logits_and_gradients(model, ids, attn, cmask, share=False, reference=True)
-    shared_logits, shared_grads = logits_and_gradients(model, ids, attn, cmask, share=share, chunks=chunks)
+    shared_logits, shared_grads = logits_and_gradients(model, ids, attn, cmask, share=share, chunks=chunks,
+                                                       prompt_chunks=prompt_chunks)
     keep = cmask.bool()
     torch.testing.assert_close(shared_logits[keep], plain_logits[keep], atol=1e-5, rtol=1e-5)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
     with torch.no_grad():  # token_logprobs in micro-batches takes the same path
-        a = forwards.token_logprobs(model, ids, attn, cmask, micro_batch=4, share_prompts=share, chunks=chunks)[0]
+        a = forwards.token_logprobs(model, ids, attn, cmask, micro_batch=4, share_prompts=share, chunks=chunks,
+                                    prompt_chunks=prompt_chunks)[0]
         b = forwards.token_logprobs(model, ids, attn, cmask, micro_batch=4)[0]
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_ranges_compute_each_prompt_once_without_padding_it_to_the_longest(tiny):
+    """The forwards of the prefix tree, by hand on the batch above: (1) the template, then the distinct prompts'
+    rests (5, 10 and 1 tokens before their last) in one forward padded to 10 columns (30 positions), or in the 3
+    column ranges prompt_chunk_count picks, each over the prompts with tokens in it: 1 x 5 + 2 x 4 + 3 x 1 = 16,
+    no padding; then one forward over the rows' last prompt tokens and completions. Too many ranges for the
+    prompts' length is an error that names the flag."""
+    model, tokenizer = tiny
+    ids, attn, cmask = repeated_prompt_batch(tokenizer)
+    # an extra forward must save 0.1 x 6 rows x 6 completion columns = 3.6 positions: one range pads 14, {10} {5 1}
+    # 4 + 3.6, {10} {5} {1} 0 + 7.2
+    assert forwards.prompt_chunk_count(ids, attn, cmask.shape[1], 4) == 3
+    assert forwards.prompt_chunk_count(ids, attn, cmask.shape[1], 2) == 2
+    assert forwards.prompt_chunk_count(ids[:1], attn[:1], cmask.shape[1], 4) == 1  # one prompt: nothing to save
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                           with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for prompt_chunks in (1, 3):
+                shapes.clear()
+                forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True,
+                                           prompt_chunks=prompt_chunks)
+                assert shapes[0] == (1, 5) and shapes[-1] == (6, 6)  # the template; last prompt token + 5 tokens
+                assert shapes[1:-1] == ([(3, 10)] if prompt_chunks == 1 else [(1, 5), (2, 4), (3, 1)])
+            with pytest.raises(ValueError, match=r"^15 forwards over the prompts need prompts of at least 17 tokens: "
+                                                 r"lower --update-chunks or use --no-share-prompt-forward$"):
+                forwards.completion_logits(model, ids, attn, cmask.shape[1], share_prompts=True, prompt_chunks=15)
+    finally:
+        hook.remove()
+
+
+def test_prompt_column_cuts_by_hand():
+    # lengths 10 5 1 in 10 columns: the least padded split {10} {5} {1} begins its ranges at 0, 10 - 5, 10 - 1
+    assert forwards.prompt_column_cuts(torch.tensor([5, 10, 1]), 10, 3) == [0, 5, 9, 10]
+    assert forwards.prompt_column_cuts(torch.tensor([5, 10, 1]), 10, 2) == [0, 5, 10]  # {10} {5 1}: pads 4
+    assert forwards.prompt_column_cuts(torch.tensor([5, 10, 1]), 10, 1) == [0, 10]
+    # more ranges than distinct lengths: the widest range halved, then the first of the widest
+    assert forwards.prompt_column_cuts(torch.tensor([8, 8]), 8, 3) == [0, 2, 4, 8]
+    assert forwards.prompt_column_cuts(torch.tensor([0, 3]), 3, 3) == [0, 1, 2, 3]  # an empty rest counts as 1
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=8), st.integers(1, 6), st.integers(0, 5))
+@settings(max_examples=200, deadline=None)
+def test_prompt_column_cuts_are_the_least_padded_ranges(lengths, ranges, spare):
+    """Exactly `ranges` ranges of at least one column from 0 to the width; where there are as many distinct
+    lengths, the positions they compute (a prompt takes part from the range its tokens reach into) are as
+    few as the least padded split of the lengths into that many groups."""
+    width = max(max(lengths), ranges) + spare
+    cuts = forwards.prompt_column_cuts(torch.tensor(lengths), width, ranges)
+    assert cuts[0] == 0 and cuts[-1] == width and len(cuts) == ranges + 1
+    assert all(a < b for a, b in zip(cuts, cuts[1:]))
+    size = [max(n, 1) for n in lengths]
+    if len(set(size)) >= ranges and width == max(size):
+        computed = sum((b - a) * sum(width - n < b for n in size) for a, b in zip(cuts, cuts[1:]))
+        assert computed == forwards._least_padded_splits(sorted(size, reverse=True), ranges)[0][ranges - 1] + sum(size)
 
 
 def test_length_chunks_pad_least_by_hand():
@@ -279,6 +345,8 @@ def test_chunk_count_splits_only_where_it_saves_enough():
     assert forwards.chunk_count(torch.tensor([100, 82]), 2) == 1  # saves 18 < 20
     assert forwards.chunk_count(torch.tensor([100, 79]), 2) == 2  # saves 21 > 20
     assert forwards.chunk_count(torch.tensor([0, 2]), 2) == 2  # an empty completion counts as 1: saves 1 > 0.4
+    assert forwards.chunk_count(torch.tensor([100, 79]), 2, price=21.5) == 1  # a given price per extra forward
+    assert forwards.chunk_count(torch.tensor([100, 79]), 2, price=20.5) == 2
 
 
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=9), st.integers(1, 5))
@@ -299,22 +367,23 @@ def test_length_chunks_is_the_least_padded_split(lengths, chunks):
 
 
 def test_shared_prompt_gradient_check_fails_when_copies_do_not_carry_gradient(tiny, monkeypatch):
-    """The gradient comparison above can fail: with the copied cache rows detached, the prompt tokens'
-    share of the gradient is lost and the attention and MLP weights' gradients differ."""
+    """The gradient comparison above can fail: with the cache rows copied into each forward's cache detached
+    (a layer's first update), the prompt tokens' share of the gradient is lost and the attention and MLP
+    weights' gradients differ."""
     from transformers import DynamicCache
 
     model, tokenizer = tiny
     model.train()
     ids, attn, cmask = repeated_prompt_batch(tokenizer)
     _, plain_grads = logits_and_gradients(model, ids, attn, cmask, share=False)
-    select = DynamicCache.batch_select_indices
+    update = DynamicCache.update
 
-    def detached(self, indices):
-        select(self, indices)
-        for layer in self.layers:
-            layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
+    def detached(self, keys, values, layer_idx, *args, **kwargs):
+        if len(self.layers) <= layer_idx:
+            keys, values = keys.detach(), values.detach()
+        return update(self, keys, values, layer_idx, *args, **kwargs)
 
-    monkeypatch.setattr(DynamicCache, "batch_select_indices", detached)
+    monkeypatch.setattr(DynamicCache, "update", detached)
     _, cut_grads = logits_and_gradients(model, ids, attn, cmask, share=True)
     differs = [n for n, g in plain_grads.items() if not torch.allclose(cut_grads[n], g, atol=1e-6, rtol=1e-4)]
     assert any("mlp" in n for n in differs) and any("k_proj" in n for n in differs)
