@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 import cpu
 import prompts
 import rollout
-from transformers.cache_utils import DynamicLayer
 from forwards import cache_kwarg, hoist_common_prefix
 from rollout import generate_completions, shared_prefill
 
