@@ -47,10 +47,10 @@ def test_prompt_padding_of_the_update_is_counted_apart(tiny, monkeypatch):
     decoder = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
     pad = tokenizer.pad_token_id
     # [left pad | prompt | completion]: prompts share 5, 6, 7; after it, forward (2) runs columns 3-4 of both
-    # distinct prompts (their last token goes with the completion): 2 real positions for A, none for B. B's
+    # distinct prompts (their last token goes with the completion): 2 real positions for A, 1 for B. B's
     # completion is one token: forward (3) pads too, and that padding is not the prompts'
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 12, 13, 14], [pad, pad, 5, 6, 7, 11, 12, pad, pad]])
-    mask = torch.tensor([[1] * 9, [0, 0, 1, 1, 1, 1, 1, 0, 0]])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 12, 13, 14], [pad, 5, 6, 7, 15, 11, 12, pad, pad]])
+    mask = torch.tensor([[1] * 9, [0, 1, 1, 1, 1, 1, 1, 0, 0]])
     forward2 = 2 * 2 * (2 * decoder + 4 * cfg.num_hidden_layers * cfg.hidden_size * 5) \
         + 2 * cfg.vocab_size * cfg.hidden_size * 2  # 2 rows x 2 tokens over 5 key columns; the head on 1 each
     monkeypatch.setattr(work, "phase_of_caller", lambda: "update")
@@ -59,8 +59,12 @@ def test_prompt_padding_of_the_update_is_counted_apart(tiny, monkeypatch):
         work.counts.clear()
         with torch.no_grad():
             forwards.completion_logits(model, ids, mask, 3, share_prompts=True)
-        assert work.counts["update_padding_gflop_prompts"] * 1e9 == pytest.approx(forward2 / 2)
+        assert work.counts["update_padding_gflop_prompts"] * 1e9 == pytest.approx(forward2 / 4)
         assert work.counts["update_padding_gflop"] > work.counts["update_padding_gflop_prompts"]
+        work.counts.clear()
+        with torch.no_grad():  # two column ranges: A's first rest token alone, then both: no prompt padding
+            forwards.completion_logits(model, ids, mask, 3, share_prompts=True, prompt_chunks=2)
+        assert work.counts["update_padding_gflop_prompts"] == 0 and work.counts["update_padding_gflop"] > 0
         work.counts.clear()
         with torch.no_grad():  # one forward over whole rows: no prefix tree, nothing counted apart
             forwards.completion_logits(model, ids, mask, 3)
