@@ -36,10 +36,10 @@ def reserved_cache(room: int):
 class ReservedLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views of buffers with `room` more tokens behind them: a
     decoding step writes its token's keys and values into that room, where DynamicLayer concatenates,
-    copying the whole cache every token (O(length) a token; on a 2-core CPU 8 % of a 4-row SmolLM2
-    decoding step at 330 cached tokens, 20 % at 16 rows). The attention reads the same values, so its
-    outputs are the same bit for bit. Whatever replaces the keys (batch_select_indices, crop) ends the
-    views: the next update copies them into new buffers, with `room` again."""
+    copying the whole cache every token (O(length) a token: 10 % of a 4-row SmolLM2 decoding step at 330
+    cached tokens in a CPU profile; a LANPO sampling call 0.96x, bench/kv_room.py). The attention reads the
+    same values, so its outputs are the same bit for bit. Whatever replaces the keys (batch_select_indices,
+    crop) ends the views: the next update copies them into new buffers, with `room` again."""
 
     def __init__(self, room: int):
         super().__init__()
