@@ -13,7 +13,7 @@ one new token per row: decoding) and `work/p_weight_gb` (the weights' bytes each
 x3 under grad, where the backward reads them again and writes their gradient; activations, KV cache and optimizer
 state left out, so a lower bound). `work/update_padding_gflop_prompts` is the part of the update's padding in
 forward (2) of the prompt prefix tree (`forwards.shared_prompt_logits`: distinct prompts padded to the longest of
-their micro-batch); its name does not end in _gflop, so that sums over the phases' keys do not count it again. A
+their column range); its name does not end in _gflop, so that sums over the phases' keys do not count it again. A
 forward of T new tokens over K key columns (the attention mask's width, padding and cache included, as computed)
 counts 2 x (the parameters of the decoder layers) per token, 4 x layers x hidden x K per token for attention, and 2
 x vocab x hidden per position the LM head computes; x3 under grad (the backward costs twice the forward). Layer
