@@ -217,7 +217,8 @@ def main() -> None:
         gs, ls = result["work_s"]["grpo"][p], result["work_s"]["lanpo"][p]
         rate = lambda w, s: f"{w / s:6.0f}" if s > 0 and w > 0 else "     -"  # noqa: E731
         print(f"  {p:11s} {g:6.0f} ({gp:4.0f}) {lw:6.0f} ({lp:4.0f})   {rate(g, gs)} {rate(lw, ls)}")
-    print(f"  of the update's padding, distinct prompts padded to the longest of their range in forward (2) of the prefix tree: "
+    print(f"  of the update's padding, distinct prompts padded to the longest of their range in forward (2) of "
+          f"the prefix tree: "
           f"GRPO {result['update_padding_gflop_prompts']['grpo']:.0f}, "
           f"LANPO {result['update_padding_gflop_prompts']['lanpo']:.0f}")
     print(f"prompt tokens per rollout: GRPO {result['prompt_tokens']['grpo']:.0f}, "
