@@ -74,11 +74,16 @@ def _least_padded_splits(size: list[int], most: int) -> tuple[list[float], list[
     return [cost[j][n] for j in range(1, most + 1)], ends[::-1]
 
 
+def _longest_first(lengths: torch.Tensor) -> list[int]:
+    """The lengths sorted longest first, an empty one counted as 1 (a forward computes at least one position)."""
+    return sorted((max(int(n), 1) for n in lengths.tolist()), reverse=True)
+
+
 def chunk_count(lengths: torch.Tensor, most: int, price: float | None = None) -> int:
     """How many groups of similar completion length the update's forward over these rows should take, at most
     `most`: each group beyond the first must save `price` padded positions, by default CHUNK_MIN_SAVING of the
     padded rectangle."""
-    size = sorted((max(int(n), 1) for n in lengths.tolist()), reverse=True)
+    size = _longest_first(lengths)
     costs, _ = _least_padded_splits(size, min(most, len(size)))
     price = CHUNK_MIN_SAVING * len(size) * size[0] if price is None else price
     best = min(range(len(costs)), key=lambda j: costs[j] + j * price)
@@ -183,7 +188,7 @@ def prompt_column_cuts(lengths: torch.Tensor, width: int, ranges: int) -> list[i
     prompts are left-padded, so a prompt of length n takes part in every range that ends after column width - n.
     The cuts sit where the least padded split of the lengths into `ranges` groups (`_least_padded_splits`) puts
     them; ranges are at least one column wide (width >= ranges), the widest halved while there are too few."""
-    size = sorted((max(int(n), 1) for n in lengths.tolist()), reverse=True)
+    size = _longest_first(lengths)
     _, ends = _least_padded_splits(size, min(ranges, len(size)))
     cuts = sorted({0, width, *(width - size[end] for end in ends[:-1])})
     while len(cuts) < ranges + 1:

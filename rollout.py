@@ -43,11 +43,11 @@ class ReservedLayer(DynamicLayer):
 
     def __init__(self, room: int):
         super().__init__()
-        self.room, self._buffers = room, None
+        self.room, self._buffers, self._view = room, None, None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        length = key_states.shape[-2] + (self.keys.shape[-2] if self._buffers is not None else 0)
-        if self._buffers is None or self._buffers[0].shape[-2] < length or self.keys is not self._views[0]:
+        length = key_states.shape[-2] + self.get_seq_length()
+        if self._buffers is None or self._buffers[0].shape[-2] < length or self.keys is not self._view:
             keys, values = super().update(key_states, value_states, *args, **kwargs)  # concatenates
             shape = (*keys.shape[:-2], length + self.room, keys.shape[-1])
             self._buffers = (keys.new_empty(shape), values.new_empty(shape))
@@ -57,7 +57,7 @@ class ReservedLayer(DynamicLayer):
         self._buffers[0][..., start:length, :] = keys
         self._buffers[1][..., start:length, :] = values
         self.keys, self.values = self._buffers[0][..., :length, :], self._buffers[1][..., :length, :]
-        self._views = (self.keys, self.values)
+        self._view = self.keys
         return self.keys, self.values
 
 

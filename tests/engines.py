@@ -139,7 +139,7 @@ def _run(argv: list[str]) -> None:
     ranges_made: list[int] = []
     if os.environ.get("LANPO_TEST_UNEVEN_CHUNKS"):
         real_chunks, real_cuts = forwards.length_chunks, forwards.prompt_column_cuts
-        wanted = lambda *args: min(args[-1], 1 + 2 * PartialState().process_index)  # noqa: E731
+        wanted = lambda most: min(most, 1 + 2 * PartialState().process_index)  # noqa: E731
         forwards.chunk_count = lambda lengths, most, price=None: wanted(most)
         forwards.prompt_chunk_count = lambda ids, mask, n_completion, most: wanted(most)
         forwards.length_chunks = lambda lengths, chunks: groups_made.append(chunks) or real_chunks(lengths, chunks)
