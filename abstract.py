@@ -141,8 +141,11 @@ class AbstractionStats:
     candidates: int = 0
     kept: int = 0
     scores: list[float] = field(default_factory=list)  # relevance scores of all candidates scored
+    pairs: list[tuple[str, str]] = field(default_factory=list)  # (problem id, candidate's problem id) per candidate
+    accepted: list[bool] = field(default_factory=list)  # per candidate: kept by the relevance filter
     made: int = 0           # principles generated this step (cache misses)
-    cached: int = 0         # lessons served from the cache
+    cached: int = 0         # lessons served from the cache (a cached "nothing relevant" is cached_empty)
+    cached_empty: int = 0
     principles_tokens: list[int] = field(default_factory=list)
     time_retrieval: float = 0.0
     time_relevance: float = 0.0
@@ -183,13 +186,16 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
         if hit is not None:
             if hit["lessons"]:
                 lessons[p["id"]] = hit["lessons"]
-            stats.cached += 1
+                stats.cached += 1
+            else:
+                stats.cached_empty += 1
             continue
         found = pool.similar(p["problem"], cfg.abstract_candidates, exclude_id=p["id"])
         shown = [best_trial(trials) for _, trials in found]
         shown = [Trial(t.problem_id, t.problem, t.kind, t.context, shorten(t.response, tokenizer, cfg.attempt_tokens),
                        t.reward, t.step) for t in shown]
         stats.candidates += len(shown)
+        stats.pairs += [(p["id"], t.problem_id) for t in shown]
         todo.append((p, shown))
         for t in shown:
             solution = t.response if cfg.relevance_text == "experience" else None
@@ -208,6 +214,7 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
                 kept[owner].append(t)
     else:  # gamma = 0: no filter, no forward pass
         kept = [shown for _, shown in todo]
+    stats.accepted = [any(t is x for x in k) for (_, shown), k in zip(todo, kept) for t in shown]
     stats.kept = sum(len(k) for k in kept)
     stats.time_relevance = time.perf_counter() - t0
     requests = [] if mode == "raw" else [render_prompt(tokenizer, principles_request(p["problem"], k), one_shot=False)

@@ -135,8 +135,10 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
     """`size` hidden-rule problems ("What is the grand zorp of 7 and 3?"): a positive control for learning
     from experience, not evidence about math. Every split draws from the same families (rule_families(seed)),
     as evenly as `size` allows, so held-out problems are new members of training families: a solved member
-    shows the rule that the problem text never states. Deterministic in (split, seed); rows carry `family`
-    and `content`. Levels (RULE_OPERANDS) are drawn uniformly per problem.
+    shows the rule that the problem text never states. Deterministic in (split, seed); rows carry `family`,
+    `content` and a worked `solution` ("The zorp of 3 and 4 is 3 + 4 + 10 = 17. ..."): what a solved member
+    shows (bench/context_probe.py's `--pool gold`; training never reads it). Levels (RULE_OPERANDS) are drawn
+    uniformly per problem.
     Guards: no two problems of a split share an answer within a family (so no family repeats its operands,
     in either order), no held-out answer is the answer of any of the first `train_size` train problems of the
     same seed (the pool a held-out problem is shown holds training problems only), and none is the worked
@@ -166,8 +168,10 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
                              f"{family!r} has no unused answer left; ask for fewer, or add harder levels")
         taken[family].add(answer)
         text = rng.choice(RULE_TEMPLATES).format(family=family, a=a, b=b)
+        worked = re.sub(r"\b[ab]\b", lambda m: str({"a": a, "b": b}[m.group()]), rules[family])
+        solution = f"The {family} of {a} and {b} is {worked} = {answer}. The answer is \\boxed{{{answer}}}."
         rows.append({"id": f"rules-{split}-{n:05d}", "problem": text, "answer": answer, "level": level,
-                     "content": f"{family} {a} {b}", "family": family})
+                     "content": f"{family} {a} {b}", "family": family, "solution": solution})
     return rows
 
 

@@ -17,6 +17,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -572,21 +573,24 @@ def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor,
     return out
 
 
-def feedback_metrics(local: abstract.AbstractionStats, pool: ExperiencePool,
-                     prompt_lens: list[int]) -> dict[str, float]:
-    """Retrieval, relevance and abstraction statistics summed over the processes."""
+def feedback_metrics(local: abstract.AbstractionStats, pool: ExperiencePool, prompt_lens: list[int],
+                     family: dict[str, str]) -> dict[str, float]:
+    """Retrieval, relevance and abstraction statistics summed over the processes. The judge's score quantiles
+    only when it scored candidates; against `family` (problem id -> family, synthetic:rules) the share of
+    retrieved candidates from the problem's own family and the filter's precision and recall on them."""
     every = distributed.gather([local])
     a = abstract.AbstractionStats(**{
-        f.name: (sum((getattr(x, f.name) for x in every), []) if f.name in ("scores", "principles_tokens")
+        f.name: (sum((getattr(x, f.name) for x in every), []) if isinstance(getattr(local, f.name), list)
                  else sum(getattr(x, f.name) for x in every)) for f in dataclasses.fields(abstract.AbstractionStats)})
     a.time_retrieval, a.time_relevance, a.time_abstraction = (local.time_retrieval, local.time_relevance,
                                                               local.time_abstraction)  # wall time of this process
-    return {
+    out = {
         "relevance_candidates": float(a.candidates),
         "relevance_accept_rate": a.kept / a.candidates if a.candidates else 0.0,
         "relevance_score_mean": float(np.mean(a.scores)) if a.scores else 0.0,
         "principles_made": float(a.made),
         "principles_cached": float(a.cached),
+        "lessons_cached_empty": float(a.cached_empty),
         "principles_len_mean": float(np.mean(a.principles_tokens)) if a.principles_tokens else 0.0,
         "prompt_len_mean": float(np.mean(prompt_lens)),
         "pool_trials": float(len(pool)),
@@ -595,6 +599,18 @@ def feedback_metrics(local: abstract.AbstractionStats, pool: ExperiencePool,
         "time_relevance": a.time_relevance,
         "time_abstraction": a.time_abstraction,
     }
+    if a.scores:
+        for q in (10, 50, 90):
+            out[f"relevance_score_p{q}"] = float(np.percentile(a.scores, q))
+    if family and a.pairs:
+        same = np.array([family.get(query) == family.get(candidate) for query, candidate in a.pairs])
+        accepted = np.array(a.accepted, dtype=bool)
+        out["relevance_family_share"] = float(same.mean())
+        if accepted.any():
+            out["relevance_precision"] = float(same[accepted].mean())
+        if same.any():
+            out["relevance_recall"] = float(accepted[same].mean())
+    return out
 
 
 @contextlib.contextmanager
@@ -640,6 +656,50 @@ def truncation_summary(out_dir: Path) -> str:
         if n:
             parts.append(f"{kind} {sum(c * t for c, t in counted) / n:.0%} of {int(n)}")
     return "truncated at --max-new-tokens: " + ", ".join(parts)
+
+
+def feedback_summary(out_dir: Path, cfg: Config) -> list[str]:
+    """What each feedback channel did over the run (metrics.jsonl): its rollouts and their reward against the
+    from-scratch rollouts of the steps both ran, with a line of its own when a channel never fired (and why)
+    or scored below scratch; the relevance filter's acceptance and scores."""
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = []
+    if cfg.uses_abstraction and wants_lessons(cfg):
+        candidates = sum(r["relevance_candidates"] for r in records)
+        kept = sum(r["relevance_candidates"] * r["relevance_accept_rate"] for r in records)
+        scored = [r for r in records if "relevance_score_p50" in r]
+        scores = (f" (median score {np.mean([r['relevance_score_p50'] for r in scored]):.2f}, per-step 10-90 % "
+                  f"from {min(r['relevance_score_p10'] for r in scored):.2f} to "
+                  f"{max(r['relevance_score_p90'] for r in scored):.2f})" if scored else "")
+        family = (f"; {np.mean([r['relevance_family_share'] for r in records if 'relevance_family_share' in r]):.0%}"
+                  " of the candidates were of the problem's family" if any("relevance_family_share" in r
+                                                                          for r in records) else "")
+        lines.append(f"relevance: {kept:.0f} of {candidates:.0f} candidates accepted at gamma "
+                     f"{cfg.relevance_threshold}{scores}{family}; principles made "
+                     f"{sum(r['principles_made'] for r in records):.0f}, served from the cache "
+                     f"{sum(r['principles_cached'] for r in records):.0f}")
+    for kind, on in (("reflect", cfg.uses_reflection), ("abstract", cfg.uses_abstraction and wants_lessons(cfg))):
+        if not on or cfg.feedback_ratio == 0:
+            continue
+        count = sum(r[f"{kind}/count"] for r in records)
+        if not count:
+            why = ("no problem was drawn twice" if kind == "reflect" else
+                   "the pool had no similar problem" if not sum(r["relevance_candidates"] for r in records) else
+                   f"the relevance judge accepted no candidate at gamma {cfg.relevance_threshold}")
+            lines.append(f"{kind}: never fired in {len(records)} steps: {why} (bench/context_probe.py says whether "
+                         "this model can use the channel)")
+            continue
+        both = [r for r in records if r[f"{kind}/count"] and r["scratch/count"]]
+
+        def mean_reward(name: str) -> float:  # over the steps both ran, weighted by each step's count
+            return (sum(r[f"{name}/count"] * r[f"{name}/reward"] for r in both)
+                    / max(1, sum(r[f"{name}/count"] for r in both)))
+
+        mine, scratch = mean_reward(kind), mean_reward("scratch")
+        below = ": below scratch" if mine < scratch else ""
+        lines.append(f"{kind}: {count:.0f} rollouts, reward {mine:.3f} against {scratch:.3f} from scratch on the "
+                     f"{len(both)} steps both ran{below}")
+    return lines
 
 
 def heldout_gain(out_dir: Path) -> str:
@@ -704,6 +764,11 @@ class Run:
         with distributed.gathered_for_generation(self.model, self.accelerator), \
                 (models.merged_lora(self.policy) if merged else contextlib.nullcontext()):
             yield
+
+    @functools.cached_property
+    def families(self) -> dict[str, str]:
+        """Training problem id -> its family, where the data has families (synthetic:rules), else empty."""
+        return {r["id"]: r["family"] for r in self.train_rows if "family" in r}
 
     def embedding_weights(self):
         """--retriever policy embeds problems as they enter the pool: those forwards need the whole weights."""
@@ -859,9 +924,9 @@ def lessons_for_step(run: Run, problems: list[dict], step: int) -> tuple[dict[st
         return {}, abstract.AbstractionStats()
     if cfg.abstract_ahead:
         hits = {p["id"]: abstract.fresh_entry(run.lessons_cache, p["id"], step, cfg.abstract_refresh) for p in problems}
-        hits = {i: h for i, h in hits.items() if h is not None}
-        return ({i: h["lessons"] for i, h in hits.items() if h["lessons"]},
-                abstract.AbstractionStats(cached=len(hits)))
+        served = {i: h["lessons"] for i, h in hits.items() if h is not None and h["lessons"]}
+        empty = sum(h is not None and not h["lessons"] for h in hits.values())
+        return served, abstract.AbstractionStats(cached=len(served), cached_empty=empty)
     with run.full_weights():  # processes make different numbers of forwards
         lessons, stats = abstract.lessons_for(run.policy, run.tokenizer, run.pool, problems, run.lessons_cache, step,
                                               cfg, run.eos_ids)
@@ -943,8 +1008,21 @@ def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: 
         record["feedback_model_texts"] = b.modelled_texts
     record.update(kind_metrics([k for k, _, _, _ in per_rollout], all_rewards, lengths,
                                [t for _, _, t, _ in per_rollout]))
-    record.update(feedback_metrics(lesson_stats, run.pool, [n for _, _, _, n in per_rollout]))
+    record.update(feedback_metrics(lesson_stats, run.pool, [n for _, _, _, n in per_rollout], run.families))
     return record
+
+
+def progress_fields(record: dict, cfg: Config) -> dict[str, str]:
+    """The progress bar's fields: reward and length; each feedback kind on as count@reward this step (·
+    when it made no rollout); the relevance filter's acceptance when it judged candidates."""
+    fields = {"reward": f"{record['reward_mean']:.3f}", "len": f"{record['response_len_mean']:.0f}"}
+    for kind, on in (("reflect", cfg.uses_reflection), ("abstract", cfg.uses_abstraction)):
+        if on:
+            n = int(record[f"{kind}/count"])
+            fields[kind] = f"{n}@{record[f'{kind}/reward']:.2f}" if n else "·"
+    if cfg.uses_abstraction and record["relevance_candidates"]:
+        fields["relevant"] = f"{record['relevance_accept_rate']:.0%}"
+    return fields
 
 
 def main(cfg: Config) -> ExperiencePool:
@@ -976,7 +1054,8 @@ def train(run: Run) -> ExperiencePool:
         rollout_prompts = build_prompts(tokenizer, mine, pool, lessons, cfg)
         pending = upcoming_lessons(run, step)  # --abstract-ahead: the next step's, made in this step's call
         if pending is not None:
-            pending.stats.cached, lesson_stats = lesson_stats.cached, pending.stats
+            pending.stats.cached, pending.stats.cached_empty = lesson_stats.cached, lesson_stats.cached_empty
+            lesson_stats = pending.stats
 
         # 2. sample G rollouts per problem
         t0 = time.perf_counter()
@@ -1019,7 +1098,7 @@ def train(run: Run) -> ExperiencePool:
             rundir.append_metrics(run.out_dir / "metrics.jsonl", record)
             if run.wandb is not None:
                 run.wandb.log(record, step=step + 1)
-            progress.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.0f}")
+            progress.set_postfix(progress_fields(record, cfg))
         # after the metrics line: a kill between the two re-runs this step, never loses its line
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or (step + 1 == cfg.steps and cfg.final_checkpoint):
             rundir.save_checkpoint(accelerator, run.out_dir, step + 1, cfg.keep_last, pool, run.lessons_cache,
@@ -1034,6 +1113,8 @@ def finish(run: Run) -> None:
     if run.accelerator.is_main_process:
         final = rundir.save_final(run.out_dir, run.cfg.steps, run.policy, run.tokenizer, state_dict)
         run.accelerator.print(truncation_summary(run.out_dir))
+        for line in feedback_summary(run.out_dir, run.cfg):
+            run.accelerator.print(line)
         if gain := heldout_gain(run.out_dir):
             run.accelerator.print(gain)
         run.accelerator.print(f"done: metrics in {run.out_dir / 'metrics.jsonl'}, model in {final}")

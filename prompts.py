@@ -132,14 +132,23 @@ def principles_request(problem: str, experiences: list[Trial]) -> str:
 
 
 def raw_experience_block(experiences: list[Trial]) -> str:
-    """ABLATION (`--abstract-mode raw`): the retrieved trajectories themselves."""
-    return "\n\n".join(f"Related problem: {t.problem}\nA solution: {t.response}" for t in experiences)
+    """ABLATION (`--abstract-mode raw`): the retrieved trajectories themselves, each with its verdict as the
+    principles request shows it (another problem's reward, never the current problem's label): without it a
+    raw trial cannot tell a rule from a mistake."""
+    return "\n\n".join(f"Related problem: {t.problem}\nA solution (its final answer was "
+                       f"{'correct' if t.reward > 0 else 'incorrect'}): {t.response}" for t in experiences)
 
 
 def abstraction_request(problem: str, lessons: str, raw: bool = False) -> str:
     """User turn for solving a problem with lessons (principles, or raw trajectories in the ablation)."""
     header = "Here are solutions of related problems:" if raw else "Here are some general principles that may help:"
     return f"{header}\n{lessons}\n\nProblem: {problem}\n{FORMAT_INSTRUCTION}"
+
+
+def answer_hint_request(problem: str, gold: str) -> str:
+    """PROBE ONLY (bench/context_probe.py): the gold answer stated beside the problem, the ceiling of what any
+    context could give. Never built in training or evaluation."""
+    return f"{problem}\nThe correct final answer is {gold}.\n{FORMAT_INSTRUCTION}"
 
 
 def feedback_model_request(problem: str, attempt: str) -> str:

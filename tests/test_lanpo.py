@@ -1,6 +1,7 @@
 """LANPO: pool queries, leak-free reflection, relevance scores, group mixing, and end-to-end runs."""
 
 import copy
+import dataclasses
 import inspect
 import json
 import math
@@ -420,8 +421,11 @@ def test_threshold_filters_as_stated(tiny):
 
     lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg(gamma), [2])
     assert stats.candidates == 4 and stats.kept == 2 and lessons["cur"].count("Related problem:") == 2
+    # each candidate's pair and verdict, in retrieval order, as the metrics against families read them
+    assert stats.pairs == [("cur", ts[0].problem_id) for _, ts in found]
+    assert stats.accepted == [s >= gamma for s in stats.scores] and sum(stats.accepted) == 2
     lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg(0.0), [2])
-    assert stats.kept == 4
+    assert stats.kept == 4 and stats.accepted == [True] * 4 and stats.scores == []
     lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg(1.0), [2])
     assert stats.kept == 0 and "cur" not in lessons
 
@@ -459,6 +463,11 @@ def test_principles_are_cached_and_refreshed(tiny):
     _, s2 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 3, cfg, [2])
     _, s3 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 4, cfg, [2])
     assert (s1.made, s2.made, s2.cached, s3.made) == (1, 0, 1, 1)
+    # a cached "nothing relevant" serves no principles and is counted apart, never as principles served
+    cache["none"] = {"step": 4, "lessons": ""}
+    lessons, s4 = abstract.lessons_for(model, tokenizer, pool, [{"id": "none", "problem": "Tom has 5 apples."}],
+                                       cache, 5, cfg, [2])
+    assert lessons == {} and (s4.cached, s4.cached_empty, s4.made, s4.candidates) == (0, 1, 0, 0)
     assert abstract.clean_principles("use \\boxed{12} carefully") == "use [answer removed] carefully"
     assert abstract.clean_principles("a \\boxed{\\frac{1}{2}} b \\fbox{3}") == "a [answer removed] b [answer removed]"
     assert (abstract.clean_principles("is \\boxed{128.\nNext line \\boxed{1")
@@ -495,6 +504,70 @@ def test_feedback_both_mixes_kinds_and_logs_them(tiny_model_dir, tmp_path, grade
     assert kinds == {"scratch", "reflect", "abstract"}
 
 
+def test_feedback_metrics_against_families_by_hand():
+    """Two problems (families A, B), two candidates each; the filter keeps problem q1's two. Same-family
+    pairs: (q1, c1) kept, (q2, c3) dropped -> share 2/4, precision 1/2, recall 1/2; score quantiles by
+    linear interpolation of [0.3, 0.4, 0.92, 0.95]."""
+    stats = abstract.AbstractionStats(candidates=4, kept=2, scores=[0.95, 0.92, 0.4, 0.3],
+                                      pairs=[("q1", "c1"), ("q1", "c2"), ("q2", "c3"), ("q2", "c4")],
+                                      accepted=[True, True, False, False], made=1, cached=2, cached_empty=3)
+    family = {"q1": "A", "c1": "A", "c2": "B", "q2": "B", "c3": "B", "c4": "A"}
+    out = lanpo.feedback_metrics(stats, ExperiencePool(), [10, 20], family)
+    assert out["relevance_family_share"] == 0.5 and out["relevance_precision"] == 0.5
+    assert out["relevance_recall"] == 0.5 and out["relevance_accept_rate"] == 0.5
+    assert out["relevance_score_p50"] == pytest.approx(0.66) and out["relevance_score_p10"] == pytest.approx(0.33)
+    assert out["relevance_score_p90"] == pytest.approx(0.941)
+    assert (out["principles_cached"], out["lessons_cached_empty"], out["principles_made"]) == (2, 3, 1)
+    # without families, or without scores (gamma 0), those keys are absent: nothing claims an unmeasured value
+    plain = lanpo.feedback_metrics(dataclasses.replace(stats, scores=[]), ExperiencePool(), [10], {})
+    assert not {k for k in plain if k.startswith(("relevance_family", "relevance_precision", "relevance_recall",
+                                                   "relevance_score_p"))}
+    # nothing kept: no precision (0/0); no same-family candidate: no recall
+    none_kept = lanpo.feedback_metrics(dataclasses.replace(stats, accepted=[False] * 4), ExperiencePool(), [1], family)
+    assert "relevance_precision" not in none_kept and none_kept["relevance_recall"] == 0.0
+
+
+def _record(step, scratch, reflect=(0, 0.0), abstract_=(0, 0.0), candidates=0, accept=0.0, **extra):
+    r = {"step": step, "scratch/count": scratch[0], "scratch/reward": scratch[1], "reflect/count": reflect[0],
+         "abstract/count": abstract_[0], "relevance_candidates": candidates, "relevance_accept_rate": accept,
+         "principles_made": 0, "principles_cached": 0, **extra}
+    for kind, (n, reward) in (("reflect", reflect), ("abstract", abstract_)):
+        if n:
+            r[f"{kind}/reward"] = reward
+    return r
+
+
+def test_the_run_summary_says_when_a_channel_never_fired_or_scored_below_scratch(tmp_path):
+    records = [_record(1, (8, 0.5), candidates=4, relevance_score_p10=0.3, relevance_score_p50=0.45,
+                       relevance_score_p90=0.6),
+               _record(2, (6, 0.5), reflect=(2, 0.0), candidates=6, relevance_score_p10=0.35,
+                       relevance_score_p50=0.5, relevance_score_p90=0.7),
+               _record(3, (4, 1.0), reflect=(4, 0.5))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = lanpo.Config(feedback="both", relevance_threshold=0.9)
+    assert lanpo.feedback_summary(tmp_path, cfg) == [
+        "relevance: 0 of 10 candidates accepted at gamma 0.9 (median score 0.47, per-step 10-90 % from 0.30 to "
+        "0.70); principles made 0, served from the cache 0",
+        # (2*0 + 4*0.5) / 6 against (6*0.5 + 4*1.0) / 10 over steps 2 and 3
+        "reflect: 6 rollouts, reward 0.333 against 0.700 from scratch on the 2 steps both ran: below scratch",
+        "abstract: never fired in 3 steps: the relevance judge accepted no candidate at gamma 0.9 "
+        "(bench/context_probe.py says whether this model can use the channel)"]
+    # reflection off, and abstraction that fired above scratch
+    records = [_record(1, (4, 0.25), abstract_=(4, 0.75), candidates=4, accept=1.0)]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
+    lines = lanpo.feedback_summary(tmp_path, lanpo.Config(feedback="abstract", relevance_threshold=0))
+    assert lines[1:] == ["abstract: 4 rollouts, reward 0.750 against 0.250 from scratch on the 1 steps both ran"]
+    assert lanpo.feedback_summary(tmp_path, lanpo.Config(feedback="none")) == []
+
+
+def test_the_progress_bar_shows_each_channel():
+    record = _record(1, (4, 0.5), reflect=(2, 0.25), candidates=4, accept=0.5, reward_mean=0.4,
+                     response_len_mean=31.6)
+    assert lanpo.progress_fields(record, lanpo.Config(feedback="both")) == {
+        "reward": "0.400", "len": "32", "reflect": "2@0.25", "abstract": "·", "relevant": "50%"}
+    assert lanpo.progress_fields(record, lanpo.Config(feedback="none")) == {"reward": "0.400", "len": "32"}
+
+
 def test_abstract_ahead_makes_the_next_steps_principles_in_the_sampling_call(tiny_model_dir, tmp_path, monkeypatch,
                                                                              graded_by_parity):
     """--abstract-ahead: one generate call a step, whose greedy extra rows are the next step's principles;
@@ -511,6 +584,19 @@ def test_abstract_ahead_makes_the_next_steps_principles_in_the_sampling_call(tin
     assert [r["principles_made"] for r in records] == [0, 2, 0]
     assert [r["abstract/count"] for r in records] == [0, 0, 2] and records[2]["principles_cached"] == 2
     assert records[1]["relevance_candidates"] == 2
+
+
+def test_a_rules_run_measures_the_judge_against_the_families(tiny_model_dir, tmp_path, graded_by_parity, capsys):
+    """On synthetic:rules the relevance filter is scored against the families every step it judges, and
+    the end of the run says what each channel did."""
+    records = _run(tiny_model_dir, tmp_path / "rules", "--dataset", "synthetic:rules", "--levels", "1-2",
+                   "--synthetic-size", "4", "--relevance-threshold", "0.5", "--abstract-refresh", "1")
+    judged = [r for r in records if r["relevance_candidates"]]
+    assert judged and all(0 <= r["relevance_family_share"] <= 1 and "relevance_score_p50" in r for r in judged)
+    # four problems of four families: no candidate is of its problem's family, so there is nothing to recall
+    assert all(r["relevance_family_share"] == 0 and "relevance_recall" not in r for r in judged)
+    out = capsys.readouterr().out
+    assert "relevance: " in out and "reflect: " in out and "abstract: " in out
 
 
 def test_feedback_none_is_plain_grpo(tiny_model_dir, tmp_path, graded_by_parity):

@@ -51,8 +51,10 @@ def test_abstraction_prompts_word_for_word():
         "From the examples above, write at most three short, general principles (methods, checks, common "
         "mistakes) that would help solve the new problem. Do not solve the new problem. Do not copy numbers or "
         "final answers from the examples.")
-    assert prompts.raw_experience_block(shown) == ("Related problem: B?\nA solution: b\n\n"
-                                                   "Related problem: C?\nA solution: c")
+    assert prompts.raw_experience_block(shown) == (
+        "Related problem: B?\nA solution (its final answer was correct): b\n\n"
+        "Related problem: C?\nA solution (its final answer was incorrect): c")
+    assert prompts.answer_hint_request("A?", "12") == f"A?\nThe correct final answer is 12.\n{FORMAT}"
     assert prompts.abstraction_request("A?", "L") == (
         f"Here are some general principles that may help:\nL\n\nProblem: A?\n{FORMAT}")
     assert prompts.abstraction_request("A?", "L", raw=True) == (

@@ -33,6 +33,11 @@ def test_rules_answers_follow_the_familys_rule_and_no_text_states_it(seed):
         family, a, b = read_back(r["problem"])
         assert r["family"] == family and r["answer"] == str(FORMULAS[rules[family]](a, b)), r
         assert not re.search(r"[+*=]", r["problem"])  # the rule is never in the text
+        # the worked solution applies the family's rule to the operands (what a solved member shows)
+        worked = rules[family].replace("a", str(a)).replace("b", str(b))
+        assert r["solution"] == (f"The {family} of {a} and {b} is {worked} = {r['answer']}. "
+                                 f"The answer is \\boxed{{{r['answer']}}}.")
+        assert str(eval(worked)) == r["answer"]  # noqa: S307 - our own digits and + *
     # every family is trained on and held out: held-out problems are new members of training families
     assert {r["family"] for r in rows[:48]} == {r["family"] for r in rows[48:]} == set(data.RULE_FAMILIES)
     # the assignment of rules to names is the seed's: seeds differ, splits of one seed agree

@@ -49,7 +49,9 @@ def test_two_full_steps_update_the_model_and_log_every_documented_key(tiny_model
     # only the kinds present
     per_kind = {k for k in documented if k.endswith(("/reward", "/accuracy", "/len", "/truncated"))}
     optional = {k for k in documented if k.startswith(("eval_", "time_eval", "distill_", "self_distill_",  # options
-                                                         "feedback_model_", "reward_failures", "compile"))}  # off
+                                                         "feedback_model_", "reward_failures", "compile",  # off
+                                                         "relevance_score_p", "relevance_family",  # measured
+                                                         "relevance_precision", "relevance_recall"))}  # only
     per_step = documented - per_kind - optional
     assert per_step <= set(records[0]), per_step - set(records[0])
     assert "eval_accuracy" in records[1]

@@ -1,0 +1,269 @@
+"""Can this model use language feedback at all? Run it before a GPU run. Greedy accuracy on the same held-out
+problems under each context, paired against no context:
+
+    none                   the plain prompt (what training's held-out evaluation scores)
+    reflect                reflection on the model's own (greedy, from-scratch) attempt, as training builds it
+    principles             principles the model writes from K relevant pool trials (its own principles request)
+    principles-irrelevant  the same from K trials of unrelated problems, each matched in length to one above
+    raw                    the K relevant trials themselves (--abstract-mode raw's prompt)
+    gold                   the gold answer stated (the ceiling of any context)
+
+Relevant trials are those of the problem's family (synthetic:rules: its hidden rule; synthetic:arith: its
+operations), most similar first; for data files without families, the retriever's top K. Each shown trial is
+a problem's best (its newest correct one, else its newest), as abstraction shows it. The pool is the model's
+own attempts at the training problems (`--pool sampled`), written-out gold solutions (`--pool gold`: what a
+perfect pool would show), or a run's pool.jsonl. With families it also reports the relevance judge against
+them: of the K candidates training retrieves per problem, the share of the problem's family, and the
+precision and recall of the judge at --relevance-threshold (gamma), with its score quantiles.
+
+    python bench/context_probe.py --dataset synthetic:rules --levels 1-2
+    python bench/context_probe.py --model qwen2.5-coder-1.5b --dtype bf16 --dataset synthetic:rules --levels 1-2
+    python bench/context_probe.py --model runs/default --pool runs/default/checkpoints/step-000010/pool.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import abstract  # noqa: E402
+import cpu  # noqa: E402
+import lanpo  # noqa: E402
+import math_grader  # noqa: E402
+import models  # noqa: E402
+import prompts  # noqa: E402
+import reflect  # noqa: E402
+import stats  # noqa: E402
+from pool import ExperiencePool, Trial  # noqa: E402
+from rollout import generate_completions  # noqa: E402
+
+CONTEXTS = ("none", "reflect", "principles", "principles-irrelevant", "raw", "gold")
+SETTINGS = ("model", "dtype", "seed", "dataset", "data_dir", "split", "levels", "synthetic_size", "train_size",
+            "id_field", "problem_field", "answer_field", "skip_bad_rows", "eval_dataset", "eval_split", "eval_size",
+            "one_shot", "max_new_tokens", "attempt_tokens", "abstract_candidates", "relevance_threshold",
+            "abstract_max_tokens", "gen_batch", "share_prefill", "cpu_rows_first_matmul")
+
+
+def family_of(row: dict) -> str | None:
+    """A problem's family: synthetic:rules' rule name, synthetic:arith's operations ('+', '* +', ...), else None."""
+    if "family" in row:
+        return row["family"]
+    if "content" in row:
+        return " ".join(t for t in row["content"].split() if not t.isdigit())
+    return None
+
+
+def make_pool(kind: str, model, tokenizer, rows: list[dict], cfg, eos_ids: list[int], samples: int) -> ExperiencePool:
+    """The experiences: `gold` (one correct solution a training problem: the row's worked `solution` where it
+    has one, as synthetic:rules' show their rule applied, else the answer alone), `sampled` (the model's own
+    `samples` attempts a problem at temperature 1, graded), or a pool.jsonl."""
+    pool = ExperiencePool(max_per_problem=max(8, samples))
+    if kind == "gold":
+        solutions = [r.get("solution", f"The answer is \\boxed{{{r['answer']}}}.") for r in rows]
+        pool.add([Trial(r["id"], r["problem"], "scratch", "", text, 1.0, 1) for r, text in zip(rows, solutions)])
+    elif kind == "sampled":
+        texts = [prompts.render_prompt(tokenizer, prompts.problem_request(r["problem"]), cfg.one_shot) for r in rows]
+        outs = generate_completions(model, tokenizer, [t for t in texts for _ in range(samples)], eos_ids=eos_ids,
+                                    max_new_tokens=cfg.max_new_tokens, temperature=1.0, batch_size=cfg.gen_batch,
+                                    share_prefill=cfg.share_prefill, progress="pool: attempts at training problems")
+        pool.add([Trial(r["id"], r["problem"], "scratch", "", o.text, math_grader.grade(o.text, r["answer"]), 1)
+                  for i, r in enumerate(rows) for o in outs[i * samples:(i + 1) * samples]])
+    else:
+        pool.load(kind)
+    return pool
+
+
+def pick_experiences(row: dict, pool: ExperiencePool, family: dict[str, str | None], k: int,
+                     tokenizer, attempt_tokens: int) -> tuple[list[Trial], list[Trial]]:
+    """(relevant, irrelevant) trials for one held-out problem: K of its family (the retriever's top K when
+    there are no families), most similar first, and for each one an unrelated problem's trial of the nearest
+    length (problem and shown response, in characters), none used twice. Responses shortened as training does."""
+    ranked = [abstract.best_trial(trials) for _, trials in pool.similar(row["problem"], len(pool.trials),
+                                                                        exclude_id=row["id"])]
+    ranked = [dataclasses.replace(t, response=reflect.shorten(t.response, tokenizer, attempt_tokens)) for t in ranked]
+    own = family_of(row)
+    if own is None:
+        relevant, others = ranked[:k], ranked[len(ranked) // 2:]  # unrelated: the less similar half
+    else:
+        relevant = [t for t in ranked if family[t.problem_id] == own][:k]
+        others = [t for t in ranked if family[t.problem_id] != own]
+    irrelevant = []
+    for t in relevant:
+        if not others:
+            break
+        size = len(t.problem) + len(t.response)
+        nearest = min(others, key=lambda o: abs(len(o.problem) + len(o.response) - size))
+        others.remove(nearest)
+        irrelevant.append(nearest)
+    return relevant, irrelevant
+
+
+def write_principles(model, tokenizer, problems: list[str], shown: list[list[Trial]], cfg,
+                     eos_ids: list[int]) -> list[str]:
+    """The model's principles for each problem from its shown trials (greedy, cleaned as training cleans them);
+    "" where nothing is shown."""
+    todo = [i for i, trials in enumerate(shown) if trials]
+    requests = [prompts.render_prompt(tokenizer, prompts.principles_request(problems[i], shown[i]), one_shot=False)
+                for i in todo]
+    outs = generate_completions(model, tokenizer, requests, eos_ids=eos_ids, max_new_tokens=cfg.abstract_max_tokens,
+                                greedy=True, batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill,
+                                progress="principles") if requests else []
+    made = [""] * len(problems)
+    for i, out in zip(todo, outs):
+        made[i] = abstract.clean_principles(out.text, [math_grader.extract_answer(t.response) for t in shown[i]])
+    return made
+
+
+def judge_report(model, tokenizer, rows: list[dict], pool: ExperiencePool, family: dict[str, str | None],
+                 cfg) -> dict:
+    """The relevance judge on the K candidates training would retrieve for each held-out problem, against the
+    families: share of the problem's family among them, acceptance, precision and recall at gamma, scores."""
+    pairs, same = [], []
+    for row in rows:
+        for _, trials in pool.similar(row["problem"], cfg.abstract_candidates, exclude_id=row["id"]):
+            t = abstract.best_trial(trials)
+            pairs.append(prompts.relevance_request(row["problem"], t.problem,
+                                                   reflect.shorten(t.response, tokenizer, cfg.attempt_tokens)))
+            same.append(family[t.problem_id] == family_of(row))
+    scores = np.array(abstract.relevance_scores(model, tokenizer, pairs))
+    same = np.array(same, dtype=bool)
+    accepted = scores >= cfg.relevance_threshold
+    quantiles = {name: [round(float(q), 3) for q in np.quantile(part, [0.1, 0.5, 0.9])] if part.size else []
+                 for name, part in (("same_family", scores[same]), ("other_family", scores[~same]))}
+    return {"candidates": int(len(scores)), "same_family_share": float(same.mean()), "gamma": cfg.relevance_threshold,
+            "accepted": float(accepted.mean()),
+            "precision": float(same[accepted].mean()) if accepted.any() else float("nan"),
+            "recall": float(accepted[same].mean()) if same.any() else float("nan"), "score_quantiles": quantiles}
+
+
+def context_prompts(tokenizer, rows: list[dict], first: list[str], relevant: list[list[Trial]],
+                    principles: dict[str, list[str]], cfg) -> dict[str, list[str | None]]:
+    """Each context's prompt per held-out problem (None: the context has nothing for that problem)."""
+    def render(request: str) -> str:
+        return prompts.render_prompt(tokenizer, request, cfg.one_shot)
+
+    out = {"none": [render(prompts.problem_request(r["problem"])) for r in rows],
+           "reflect": [reflect.reflection_prompt(tokenizer, r["problem"], [attempt], attempt_tokens=cfg.attempt_tokens,
+                                                 one_shot=cfg.one_shot)[0] for r, attempt in zip(rows, first)],
+           "gold": [render(prompts.answer_hint_request(r["problem"], r["answer"])) for r in rows],
+           "raw": [render(prompts.abstraction_request(r["problem"], prompts.raw_experience_block(k), raw=True))
+                   if k else None for r, k in zip(rows, relevant)]}
+    for name, made in principles.items():
+        out[name] = [render(prompts.abstraction_request(r["problem"], text)) if text else None
+                     for r, text in zip(rows, made)]
+    return {name: out[name] for name in CONTEXTS}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    lanpo.add_flags(ap, list(SETTINGS))
+    ap.add_argument("--pool", default="sampled", help="sampled (the model's attempts at the training problems), "
+                    "gold (written-out correct solutions), or a pool.jsonl")
+    ap.add_argument("--pool-samples", type=int, default=4, help="attempts per training problem for --pool sampled")
+    ap.add_argument("--out", default="", help="JSON with every verdict (default runs/bench/context_probe-*.json)")
+    args = ap.parse_args(argv)
+    cfg = lanpo.Config(**{name: getattr(args, name) for name in SETTINGS})
+    lanpo.check_config(cfg)
+    if args.pool not in ("sampled", "gold") and not Path(args.pool).is_file():
+        raise SystemExit(f"--pool {args.pool}: not 'sampled', 'gold' or a pool.jsonl file")
+    if args.pool_samples < 1:
+        raise SystemExit(f"--pool-samples must be >= 1, got {args.pool_samples}")
+    train_rows, eval_rows, _ = lanpo.load_rows(dataclasses.replace(cfg, eval_every=1))
+    if not eval_rows:
+        raise SystemExit(f"--dataset {cfg.dataset} has no held-out problems here: give --eval-dataset")
+    family = {r["id"]: family_of(r) for r in train_rows + eval_rows}
+    models.check_available(cfg.model)
+
+    t_start = time.perf_counter()
+    dtype = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, torch.float32)
+    tokenizer = models.load_tokenizer(cfg.model)
+    model = models.load_policy(cfg.model, dtype).eval()
+    cpu.speed_up(model, cfg.cpu_rows_first_matmul)
+    eos_ids = models.eos_token_ids(model, tokenizer)
+    torch.manual_seed(cfg.seed)
+    pool = make_pool(args.pool, model, tokenizer, train_rows, cfg, eos_ids, args.pool_samples)
+    family.update({pid: family.get(pid) for pid in pool.trials})  # a saved pool's problems may be other rows
+
+    def greedy(texts: list[str], label: str):
+        return generate_completions(model, tokenizer, texts, eos_ids=eos_ids, max_new_tokens=cfg.max_new_tokens,
+                                    greedy=True, batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill,
+                                    progress=label)
+
+    none = [prompts.render_prompt(tokenizer, prompts.problem_request(r["problem"]), cfg.one_shot) for r in eval_rows]
+    first_outs = greedy(none, "context none")
+    first = [o.text for o in first_outs]
+    picked = [pick_experiences(r, pool, family, cfg.abstract_candidates, tokenizer, cfg.attempt_tokens)
+              for r in eval_rows]
+    relevant, irrelevant = [p[0] for p in picked], [p[1] for p in picked]
+    problems = [r["problem"] for r in eval_rows]
+    principles = {"principles": write_principles(model, tokenizer, problems, relevant, cfg, eos_ids),
+                  "principles-irrelevant": write_principles(model, tokenizer, problems, irrelevant, cfg, eos_ids)}
+    texts = context_prompts(tokenizer, eval_rows, first, relevant, principles, cfg)
+    results = {}
+    for name, per_row in texts.items():
+        shown = [i for i, t in enumerate(per_row) if t is not None]
+        outs = first_outs if name == "none" else greedy([per_row[i] for i in shown], f"context {name}")
+        verdicts = [0.0] * len(eval_rows)  # a problem the context has nothing for counts as wrong under it
+        truncated = []
+        for i, out in zip(shown, outs):
+            verdicts[i] = math_grader.grade(out.text, eval_rows[i]["answer"])
+            truncated.append(out.truncated)
+        results[name] = {"with_context": len(shown), "verdicts": verdicts, "truncated": truncated,
+                         "prompt_tokens": float(np.mean([len(tokenizer(per_row[i], add_special_tokens=False)
+                                                              .input_ids) for i in shown])) if shown else 0.0}
+    return report(args, cfg, eval_rows, pool, relevant, family, results, model, tokenizer, t_start)
+
+
+def report(args, cfg, rows, pool, relevant, family, results, model, tokenizer, t_start) -> dict:
+    """The table (stdout) and the JSON (every verdict, the pool's make-up, the judge's report)."""
+    base = results["none"]["verdicts"]
+    shown_correct = [t.reward > 0 for trials in relevant for t in trials]
+    summary = {"model": cfg.model, "dataset": cfg.dataset, "levels": cfg.levels, "seed": cfg.seed,
+               "problems": len(rows), "pool": args.pool, "pool_trials": len(pool),
+               "pool_correct": float(np.mean([t.reward > 0 for ts in pool.trials.values() for t in ts])),
+               "relevant_shown_correct": float(np.mean(shown_correct)) if shown_correct else float("nan"),
+               "contexts": {}}
+    for name, r in results.items():
+        mean, low, high = stats.interval([r["verdicts"]])
+        row = {"accuracy": [mean, low, high], "with_context": r["with_context"], "prompt_tokens": r["prompt_tokens"],
+               "truncated": float(np.mean(r["truncated"])) if r["truncated"] else None}
+        if name != "none":
+            row["vs_none"] = stats.paired_difference([r["verdicts"]], [base])
+        summary["contexts"][name] = row
+    if any(family_of(r) is not None for r in rows):
+        summary["judge"] = judge_report(model, tokenizer, rows, pool, family, cfg)
+    summary["seconds"] = time.perf_counter() - t_start
+    print(f"\n{cfg.model} on {cfg.dataset} (levels {cfg.levels}, seed {cfg.seed}): {len(rows)} held-out problems, "
+          f"greedy; pool {args.pool}: {len(pool)} trials, {summary['pool_correct']:.0%} correct; relevant trials "
+          f"shown {summary['relevant_shown_correct']:.0%} correct")
+    print("| context | problems with it | accuracy [95 %] | minus none [95 %] (paired p) | truncated | prompt tokens |")
+    print("|---|---|---|---|---|---|")
+    for name, row in summary["contexts"].items():
+        diff = f"{stats.fmt_diff(row['vs_none'])} (p {row['vs_none']['p']:.3f})" if "vs_none" in row else ""
+        cut = f"{row['truncated']:.0%}" if row["truncated"] is not None else ""
+        print(f"| {name} | {row['with_context']} | {stats.fmt(*row['accuracy'])} | {diff} | {cut} | "
+              f"{row['prompt_tokens']:.0f} |")
+    if "judge" in summary:
+        j = summary["judge"]
+        print(f"relevance judge, {j['candidates']} retrieved candidates ({cfg.abstract_candidates} a problem): "
+              f"{j['same_family_share']:.0%} of the problem's family; at gamma {j['gamma']}: {j['accepted']:.0%} "
+              f"accepted, precision {j['precision']:.2f}, recall {j['recall']:.2f}; score quantiles 10/50/90 %: "
+              f"same family {j['score_quantiles']['same_family']}, other {j['score_quantiles']['other_family']}")
+    out = Path(args.out or f"runs/bench/context_probe-{Path(cfg.model).name}-{cfg.dataset.replace(':', '_')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**summary, "ids": [r["id"] for r in rows],
+                               "verdicts": {k: v["verdicts"] for k, v in results.items()}}, indent=1))
+    print(f"{summary['seconds']:.0f} s; every verdict in {out}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
