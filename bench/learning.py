@@ -2,12 +2,16 @@
 flags below) on the embedded SmolLM2-135M and the built-in data, each over several seeds; held-out greedy
 accuracy (no feedback at test time) of the base model and of each final model on the same problems.
 
-Reported per arm: accuracy and its gain over the base model with 95 % intervals (two-level bootstrap:
-seeds, then problems within a seed), and each arm minus the first arm, paired on the same problems, with
-its interval and p-value. Per-problem verdicts are kept, so any other comparison can be made later.
+Reported per arm: accuracy and its gain over the base model, each arm minus the first arm (paired on the
+same problems), and the area under the training-reward curve (mean reward_mean over the steps), each with
+its 95 % t interval over seeds (the seeds are the independent units; stats.paired_seed_difference) and
+p-value; with one seed, bootstrap intervals over the problems instead (said in the table's header).
+Per-problem verdicts are kept, so any other comparison can be made later.
 
     python bench/learning.py                          # GRPO vs LANPO, 3 seeds, 8 steps, 256 held-out (~1 h)
     python bench/learning.py --seeds 0 --steps 2 --eval-size 32 --out-dir runs/bench/smoke   # smoke run
+    python bench/learning.py --arms grpo lanpo lanpo-raw lanpo-gamma0 --dataset synthetic:rules --levels 1-2 \
+        --eval-size 121 --lr 1e-4 -- --model qwen2.5-coder-1.5b --dtype bf16 --lora-rank 16
 An interrupted benchmark continues where it stopped when run again with the same --out-dir: finished
 runs are kept (their verdicts.json), nothing is run twice.
 """
@@ -38,6 +42,10 @@ ARMS = {  # name -> the flags that make it (on top of the common ones)
     "lanpo+distill": ["--feedback", "both", "--feedback-grad", "distill"],
     "lanpo+self-distill": ["--feedback", "both", "--self-distill-coef", "0.1"],
     "lanpo+feedback-model": ["--feedback", "both", "--feedback-model-coef", "0.1"],
+    "lanpo+strip": ["--feedback", "both", "--feedback-grad", "strip"],
+    "lanpo-raw": ["--feedback", "both", "--abstract-mode", "raw"],
+    "lanpo-gamma0": ["--feedback", "both", "--relevance-threshold", "0"],
+    "leak-gold": ["--feedback", "reflect", "--reflect-mode", "with-gold"],  # the labelled upper bound
 }
 
 
@@ -50,7 +58,7 @@ def heldout_rows(cfg: lanpo.Config) -> list[dict]:
 def verdicts(model_dir: str, rows: list[dict], cfg: lanpo.Config) -> list[float]:
     """Greedy verdict per held-out problem, through the code path training's eval uses."""
     tokenizer = models.load_tokenizer(model_dir)
-    model = models.load_policy(model_dir, torch.float32)
+    model = models.load_policy(model_dir, torch.bfloat16 if cfg.dtype in ("bf16", "bf16-mixed") else torch.float32)
     records, _ = scoring.evaluate_rows(model, tokenizer, rows, "zero-shot", cfg, models.eos_token_ids(model, tokenizer))
     return [r["verdicts"][0] for r in records]
 
@@ -109,22 +117,30 @@ def main() -> None:
                   f"{sum(final[name][seed]['verdicts']) / len(rows):.3f}", flush=True)
 
     seeds = args.seeds
-    summary = {"base": stats.interval([base[s] for s in seeds]), "arms": {}}
+    over_seeds = len(seeds) > 1
+    interval = ((lambda groups: stats.seed_interval([sum(g) / len(g) for g in groups])) if over_seeds
+                else stats.interval)
+    difference = stats.paired_seed_difference if over_seeds else stats.paired_difference
+    auc = {name: [sum(r["reward_mean"] for r in c) / len(c) for c in curves[name]] for name in args.arms}
+    summary = {"base": interval([base[s] for s in seeds]), "arms": {}}
+    how = ("t intervals over the seeds' values" if over_seeds else "one seed: bootstrap intervals over the problems")
     lines = [f"held-out greedy accuracy, {args.eval_size} problems x {len(seeds)} seeds, {args.steps} steps, "
-             f"lr {args.lr}; 95 % intervals: bootstrap over seeds, then problems",
-             "", "| arm | accuracy | gain over base | vs " + args.arms[0] + " (paired) | p | train min/run |",
-             "|---|---|---|---|---|---|",
-             f"| base | {stats.fmt(*summary['base'])} | | | | |"]
+             f"lr {args.lr}; 95 % {how}",
+             "", "| arm | accuracy | gain over base (p) | vs " + args.arms[0] + " (paired) | p | training reward, "
+             "mean over steps | train min/run |", "|---|---|---|---|---|---|---|",
+             f"| base | {stats.fmt(*summary['base'])} | | | | | |"]
     for name in args.arms:
         ends = [final[name][s]["verdicts"] for s in seeds]
-        gain = stats.paired_difference(ends, [base[s] for s in seeds])
-        versus = stats.paired_difference(ends, [final[args.arms[0]][s]["verdicts"] for s in seeds])
+        gain = difference(ends, [base[s] for s in seeds])
+        versus = difference(ends, [final[args.arms[0]][s]["verdicts"] for s in seeds])
         minutes = sum(final[name][s]["train_s"] for s in seeds) / len(seeds) / 60
-        accuracy = stats.interval(ends)
-        summary["arms"][name] = {"accuracy": accuracy, "gain": gain, "vs_first": versus, "train_minutes": minutes}
+        accuracy = interval(ends)
+        reward = stats.seed_interval(auc[name]) if over_seeds else (auc[name][0],) * 3
+        summary["arms"][name] = {"accuracy": accuracy, "gain": gain, "vs_first": versus, "train_minutes": minutes,
+                                 "reward_auc": reward, "reward_auc_per_seed": auc[name]}
         vs, p = ("", "") if name == args.arms[0] else (stats.fmt_diff(versus), f"{versus['p']:.3f}")
         lines.append(f"| {name} | {stats.fmt(*accuracy)} | {stats.fmt_diff(gain)} (p {gain['p']:.3f}) "
-                     f"| {vs} | {p} | {minutes:.1f} |")
+                     f"| {vs} | {p} | {stats.fmt(*reward)} | {minutes:.1f} |")
     png = plot.plot(curves, out / "learning.png")
     table = "\n".join(lines) + f"\n\ncurves (mean over seeds, band = min..max): {png}\n"
     (out / "learning.md").write_text(table)
