@@ -683,9 +683,14 @@ def feedback_summary(out_dir: Path, cfg: Config) -> list[str]:
             continue
         count = sum(r[f"{kind}/count"] for r in records)
         if not count:
+            slots = math.floor(cfg.feedback_ratio * cfg.group_size + 0.5)
+            made = sum(r["principles_made"] + r["principles_cached"] for r in records)
             why = ("no problem was drawn twice" if kind == "reflect" else
                    "the pool had no similar problem" if not sum(r["relevance_candidates"] for r in records) else
-                   f"the relevance judge accepted no candidate at gamma {cfg.relevance_threshold}")
+                   f"the relevance judge accepted no candidate at gamma {cfg.relevance_threshold}" if not made else
+                   f"a group's {slots} feedback rollout goes to reflection first: raise --group-size or "
+                   "--feedback-ratio" if cfg.uses_reflection and slots < 2 else
+                   "its principles were made too late for a rollout (the run's last step)")
             lines.append(f"{kind}: never fired in {len(records)} steps: {why} (bench/context_probe.py says whether "
                          "this model can use the channel)")
             continue

@@ -125,23 +125,29 @@ def write_principles(model, tokenizer, problems: list[str], shown: list[list[Tri
 def judge_report(model, tokenizer, rows: list[dict], pool: ExperiencePool, family: dict[str, str | None],
                  cfg) -> dict:
     """The relevance judge on the K candidates training would retrieve for each held-out problem, against the
-    families: share of the problem's family among them, acceptance, precision and recall at gamma, scores."""
-    pairs, same = [], []
+    families, reading each candidate's problem and solution (experience, the default) and its problem alone:
+    share of the problem's family among them, acceptance, precision and recall at gamma, score quantiles."""
+    pairs, same = {"experience": [], "problem": []}, []
     for row in rows:
         for _, trials in pool.similar(row["problem"], cfg.abstract_candidates, exclude_id=row["id"]):
             t = abstract.best_trial(trials)
-            pairs.append(prompts.relevance_request(row["problem"], t.problem,
-                                                   reflect.shorten(t.response, tokenizer, cfg.attempt_tokens)))
+            shown = reflect.shorten(t.response, tokenizer, cfg.attempt_tokens)
+            pairs["experience"].append(prompts.relevance_request(row["problem"], t.problem, shown))
+            pairs["problem"].append(prompts.relevance_request(row["problem"], t.problem, None))
             same.append(family[t.problem_id] == family_of(row))
-    scores = np.array(abstract.relevance_scores(model, tokenizer, pairs))
     same = np.array(same, dtype=bool)
-    accepted = scores >= cfg.relevance_threshold
-    quantiles = {name: [round(float(q), 3) for q in np.quantile(part, [0.1, 0.5, 0.9])] if part.size else []
-                 for name, part in (("same_family", scores[same]), ("other_family", scores[~same]))}
-    return {"candidates": int(len(scores)), "same_family_share": float(same.mean()), "gamma": cfg.relevance_threshold,
+    out = {"candidates": int(same.size), "same_family_share": float(same.mean()), "gamma": cfg.relevance_threshold}
+    for text, requests in pairs.items():
+        scores = np.array(abstract.relevance_scores(model, tokenizer, requests))
+        accepted = scores >= cfg.relevance_threshold
+        out[text] = {
             "accepted": float(accepted.mean()),
             "precision": float(same[accepted].mean()) if accepted.any() else float("nan"),
-            "recall": float(accepted[same].mean()) if same.any() else float("nan"), "score_quantiles": quantiles}
+            "recall": float(accepted[same].mean()) if same.any() else float("nan"),
+            "score_quantiles": {name: [round(float(q), 3) for q in np.quantile(part, [0.1, 0.5, 0.9])]
+                                if part.size else [] for name, part in (("same_family", scores[same]),
+                                                                        ("other_family", scores[~same]))}}
+    return out
 
 
 def context_prompts(tokenizer, rows: list[dict], first: list[str], relevant: list[list[Trial]],
@@ -253,10 +259,13 @@ def report(args, cfg, rows, pool, relevant, family, results, model, tokenizer, t
               f"{row['prompt_tokens']:.0f} |")
     if "judge" in summary:
         j = summary["judge"]
-        print(f"relevance judge, {j['candidates']} retrieved candidates ({cfg.abstract_candidates} a problem): "
-              f"{j['same_family_share']:.0%} of the problem's family; at gamma {j['gamma']}: {j['accepted']:.0%} "
-              f"accepted, precision {j['precision']:.2f}, recall {j['recall']:.2f}; score quantiles 10/50/90 %: "
-              f"same family {j['score_quantiles']['same_family']}, other {j['score_quantiles']['other_family']}")
+        print(f"relevance judge, {j['candidates']} retrieved candidates ({cfg.abstract_candidates} a problem), "
+              f"{j['same_family_share']:.0%} of the problem's family; at gamma {j['gamma']}:")
+        for text in ("experience", "problem"):
+            q = j[text]["score_quantiles"]
+            print(f"  --relevance-text {text}: {j[text]['accepted']:.0%} accepted, precision {j[text]['precision']:.2f}"
+                  f", recall {j[text]['recall']:.2f}; scores 10/50/90 %: same family {q['same_family']}, "
+                  f"other {q['other_family']}")
     out = Path(args.out or f"runs/bench/context_probe-{Path(cfg.model).name}-{cfg.dataset.replace(':', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**summary, "ids": [r["id"] for r in rows],

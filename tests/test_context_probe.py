@@ -73,6 +73,7 @@ def test_the_probe_end_to_end_and_no_context_but_gold_shows_a_held_out_answer(ti
     assert saved["ids"] == [r["id"] for r in held]
     assert all(len(v) == 8 for v in saved["verdicts"].values())
     assert summary["pool_correct"] == 1.0 and summary["judge"]["candidates"] == 8 * 3
+    assert {"experience", "problem"} <= set(summary["judge"])
     # every prompt that was sampled: none but the gold context's boxes or states a held-out answer
     answers = {r["answer"] for r in held}
     gold_prompts = [t for texts in seen for t in texts if "The correct final answer is" in t]

@@ -530,7 +530,8 @@ def test_feedback_metrics_against_families_by_hand():
 def _record(step, scratch, reflect=(0, 0.0), abstract_=(0, 0.0), candidates=0, accept=0.0, **extra):
     r = {"step": step, "scratch/count": scratch[0], "scratch/reward": scratch[1], "reflect/count": reflect[0],
          "abstract/count": abstract_[0], "relevance_candidates": candidates, "relevance_accept_rate": accept,
-         "principles_made": 0, "principles_cached": 0, **extra}
+         "principles_made": 0, "principles_cached": 0}
+    r.update(extra)
     for kind, (n, reward) in (("reflect", reflect), ("abstract", abstract_)):
         if n:
             r[f"{kind}/reward"] = reward
@@ -552,6 +553,15 @@ def test_the_run_summary_says_when_a_channel_never_fired_or_scored_below_scratch
         "reflect: 6 rollouts, reward 0.333 against 0.700 from scratch on the 2 steps both ran: below scratch",
         "abstract: never fired in 3 steps: the relevance judge accepted no candidate at gamma 0.9 "
         "(bench/context_probe.py says whether this model can use the channel)"]
+    # principles made, but a group of 2 has one feedback slot and reflection takes it
+    records = [_record(1, (4, 0.5), reflect=(2, 0.5), candidates=2, accept=1.0, principles_made=2)]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
+    lines = lanpo.feedback_summary(tmp_path, lanpo.Config(feedback="both", group_size=2, relevance_threshold=0))
+    assert lines[-1] == ("abstract: never fired in 1 steps: a group's 1 feedback rollout goes to reflection first: "
+                         "raise --group-size or --feedback-ratio (bench/context_probe.py says whether this model "
+                         "can use the channel)")
+    lines = lanpo.feedback_summary(tmp_path, lanpo.Config(feedback="abstract", group_size=2, relevance_threshold=0))
+    assert lines[-1].startswith("abstract: never fired in 1 steps: its principles were made too late")
     # reflection off, and abstraction that fired above scratch
     records = [_record(1, (4, 0.25), abstract_=(4, 0.75), candidates=4, accept=1.0)]
     (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
