@@ -222,14 +222,19 @@ def main(argv: list[str] | None = None) -> dict:
         for i, out in zip(shown, outs):
             verdicts[i] = math_grader.grade(out.text, eval_rows[i]["answer"])
             truncated.append(out.truncated)
+        responses = [""] * len(eval_rows)
+        for i, out in zip(shown, outs):
+            responses[i] = out.text
         results[name] = {"with_context": len(shown), "verdicts": verdicts, "truncated": truncated,
+                         "responses": responses,
                          "prompt_tokens": float(np.mean([len(tokenizer(per_row[i], add_special_tokens=False)
                                                               .input_ids) for i in shown])) if shown else 0.0}
-    return report(args, cfg, eval_rows, pool, relevant, family, results, model, tokenizer, t_start)
+    return report(args, cfg, eval_rows, pool, relevant, family, results, principles, model, tokenizer, t_start)
 
 
-def report(args, cfg, rows, pool, relevant, family, results, model, tokenizer, t_start) -> dict:
-    """The table (stdout) and the JSON (every verdict, the pool's make-up, the judge's report)."""
+def report(args, cfg, rows, pool, relevant, family, results, principles, model, tokenizer, t_start) -> dict:
+    """The table (stdout) and the JSON (every verdict and response, the principles written, the pool's make-up,
+    the judge's report)."""
     base = results["none"]["verdicts"]
     shown_correct = [t.reward > 0 for trials in relevant for t in trials]
     summary = {"model": cfg.model, "dataset": cfg.dataset, "levels": cfg.levels, "seed": cfg.seed,
@@ -269,7 +274,9 @@ def report(args, cfg, rows, pool, relevant, family, results, model, tokenizer, t
     out = Path(args.out or f"runs/bench/context_probe-{Path(cfg.model).name}-{cfg.dataset.replace(':', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**summary, "ids": [r["id"] for r in rows],
-                               "verdicts": {k: v["verdicts"] for k, v in results.items()}}, indent=1))
+                               "verdicts": {k: v["verdicts"] for k, v in results.items()},
+                               "responses": {k: v["responses"] for k, v in results.items()},
+                               "principles": principles}, indent=1))
     print(f"{summary['seconds']:.0f} s; every verdict in {out}")
     return summary
 

@@ -71,7 +71,8 @@ def test_the_probe_end_to_end_and_no_context_but_gold_shows_a_held_out_answer(ti
     saved = json.loads(out.read_text())
     held = lanpo.load_rows(lanpo.Config(dataset="synthetic:rules", levels="1-2", synthetic_size=16, eval_size=8))[1]
     assert saved["ids"] == [r["id"] for r in held]
-    assert all(len(v) == 8 for v in saved["verdicts"].values())
+    assert all(len(v) == 8 for v in (*saved["verdicts"].values(), *saved["responses"].values()))
+    assert len(saved["principles"]["principles"]) == 8
     assert summary["pool_correct"] == 1.0 and summary["judge"]["candidates"] == 8 * 3
     assert {"experience", "problem"} <= set(summary["judge"])
     # every prompt that was sampled: none but the gold context's boxes or states a held-out answer
