@@ -53,11 +53,8 @@ def interval(groups, level: float = 0.95, resamples: int = RESAMPLES, seed: int 
     return _percentile_interval([np.asarray(g, dtype=np.float64) for g in groups], level, resamples, seed)[:3]
 
 
-def paired_difference(a_groups, b_groups, level: float = 0.95, resamples: int = RESAMPLES,
-                      seed: int = 0) -> dict[str, float]:
-    """A - B on the same problems (position i of a group in A and in B is one problem): the mean difference,
-    its interval, and the two-sided bootstrap p-value of "no difference" (twice the smaller share of
-    replicates on either side of 0, at most 1)."""
+def paired_differences(a_groups, b_groups) -> list[np.ndarray]:
+    """A - B per group, problem by problem (position i of a group in A and in B is one problem)."""
     diffs = []
     for g, (a, b) in enumerate(zip(a_groups, b_groups, strict=True)):
         a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
@@ -65,7 +62,15 @@ def paired_difference(a_groups, b_groups, level: float = 0.95, resamples: int = 
             raise ValueError(f"group {g}: {a.size} scores in A but {b.size} in B; a paired comparison needs "
                              "the same problems on both sides")
         diffs.append(a - b)
-    diff, low, high, means = _percentile_interval(diffs, level, resamples, seed)
+    return diffs
+
+
+def paired_difference(a_groups, b_groups, level: float = 0.95, resamples: int = RESAMPLES,
+                      seed: int = 0) -> dict[str, float]:
+    """A - B on the same problems (position i of a group in A and in B is one problem): the mean difference,
+    its interval, and the two-sided bootstrap p-value of "no difference" (twice the smaller share of
+    replicates on either side of 0, at most 1)."""
+    diff, low, high, means = _percentile_interval(paired_differences(a_groups, b_groups), level, resamples, seed)
     p = min(1.0, 2 * min(np.mean(means <= 0), np.mean(means >= 0)))
     return {"diff": diff, "low": low, "high": high, "p": float(p)}
 
@@ -104,13 +109,7 @@ def paired_seed_difference(a_groups, b_groups, level: float = 0.95) -> dict[str,
     t interval over those per-seed differences and the two-sided t-test p-value of "no difference"."""
     import mpmath
 
-    per_seed = []
-    for g, (a, b) in enumerate(zip(a_groups, b_groups, strict=True)):
-        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-        if a.shape != b.shape:
-            raise ValueError(f"seed {g}: {a.size} scores in A but {b.size} in B; a paired comparison needs "
-                             "the same problems on both sides")
-        per_seed.append(float((a - b).mean()))
+    per_seed = [float(d.mean()) for d in paired_differences(a_groups, b_groups)]
     diff, low, high = seed_interval(per_seed, level)
     x, df = np.asarray(per_seed), len(per_seed) - 1
     se = x.std(ddof=1) / np.sqrt(x.size)
