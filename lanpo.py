@@ -346,7 +346,7 @@ def check_config(cfg: Config) -> None:
     scratch_needed = [flag for flag, on in (("--feedback-grad distill", cfg.feedback_grad == "distill"),
                                             ("--feedback-model-coef", cfg.feedback_model_coef > 0),
                                             ("--self-distill-coef", cfg.self_distill_coef > 0)) if on]
-    if scratch_needed and math.floor(cfg.feedback_ratio * cfg.group_size + 0.5) >= cfg.group_size:
+    if scratch_needed and feedback_slots(cfg.group_size, cfg.feedback_ratio) >= cfg.group_size:
         raise SystemExit(f"{', '.join(scratch_needed)} need from-scratch rollouts in every group, but --feedback-ratio "
                          f"{cfg.feedback_ratio} gives feedback to all {cfg.group_size}: lower it")
     if cfg.self_distill_coef > 0 and cfg.feedback == "none":
@@ -406,11 +406,16 @@ def problems_for_step(rows: list[dict], step: int, batch: int, seed: int) -> lis
     return picked
 
 
+def feedback_slots(group_size: int, ratio: float) -> int:
+    """n = round(ratio * G), halves up: a group's rollouts that get feedback when its problem has some."""
+    return math.floor(ratio * group_size + 0.5)
+
+
 def plan_group(group_size: int, ratio: float, can_reflect: bool, can_abstract: bool) -> list[str]:
     """Rollout kinds of one group. n = round(ratio * G) (halves up) rollouts get feedback when the problem
     has some (can_*: the kind is on and the problem has its feedback), the rest start from scratch. When both
     kinds can, reflection takes ceil(n/2) and abstraction floor(n/2); when only one can, it takes all n."""
-    n = math.floor(ratio * group_size + 0.5) if (can_reflect or can_abstract) else 0
+    n = feedback_slots(group_size, ratio) if (can_reflect or can_abstract) else 0
     n_reflect = (n + 1) // 2 if (can_reflect and can_abstract) else (n if can_reflect else 0)
     n_abstract = n - n_reflect
     return ["scratch"] * (group_size - n) + ["reflect"] * n_reflect + ["abstract"] * n_abstract
@@ -645,10 +650,9 @@ def evaluate_accuracy(run: Run, step: int) -> dict[str, float]:
     return out
 
 
-def truncation_summary(out_dir: Path) -> str:
+def truncation_summary(records: list[dict]) -> str:
     """One line: the share of each rollout kind's completions cut off at --max-new-tokens over the whole run
-    (metrics.jsonl, weighted by each step's count)."""
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    (metrics.jsonl's records, weighted by each step's count)."""
     parts = []
     for kind in pool_lib.KINDS:
         counted = [(r[f"{kind}/count"], r[f"{kind}/truncated"]) for r in records if f"{kind}/truncated" in r]
@@ -658,11 +662,10 @@ def truncation_summary(out_dir: Path) -> str:
     return "truncated at --max-new-tokens: " + ", ".join(parts)
 
 
-def feedback_summary(out_dir: Path, cfg: Config) -> list[str]:
-    """What each feedback channel did over the run (metrics.jsonl): its rollouts and their reward against the
-    from-scratch rollouts of the steps both ran, with a line of its own when a channel never fired (and why)
-    or scored below scratch; the relevance filter's acceptance and scores."""
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+def feedback_summary(records: list[dict], cfg: Config) -> list[str]:
+    """What each feedback channel did over the run (metrics.jsonl's records): its rollouts and their reward
+    against the from-scratch rollouts of the steps both ran, with a line of its own when a channel never fired
+    (and why) or scored below scratch; the relevance filter's acceptance and scores."""
     lines = []
     if cfg.uses_abstraction and wants_lessons(cfg):
         candidates = sum(r["relevance_candidates"] for r in records)
@@ -683,7 +686,7 @@ def feedback_summary(out_dir: Path, cfg: Config) -> list[str]:
             continue
         count = sum(r[f"{kind}/count"] for r in records)
         if not count:
-            slots = math.floor(cfg.feedback_ratio * cfg.group_size + 0.5)
+            slots = feedback_slots(cfg.group_size, cfg.feedback_ratio)
             made = sum(r["principles_made"] + r["principles_cached"] for r in records)
             why = ("no problem was drawn twice" if kind == "reflect" else
                    "the pool had no similar problem" if not sum(r["relevance_candidates"] for r in records) else
@@ -1117,8 +1120,9 @@ def finish(run: Run) -> None:
     state_dict = run.accelerator.get_state_dict(run.model)
     if run.accelerator.is_main_process:
         final = rundir.save_final(run.out_dir, run.cfg.steps, run.policy, run.tokenizer, state_dict)
-        run.accelerator.print(truncation_summary(run.out_dir))
-        for line in feedback_summary(run.out_dir, run.cfg):
+        records = [json.loads(line) for line in (run.out_dir / "metrics.jsonl").read_text().splitlines()]
+        run.accelerator.print(truncation_summary(records))
+        for line in feedback_summary(records, run.cfg):
             run.accelerator.print(line)
         if gain := heldout_gain(run.out_dir):
             run.accelerator.print(gain)

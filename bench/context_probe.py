@@ -81,14 +81,20 @@ def make_pool(kind: str, model, tokenizer, rows: list[dict], cfg, eos_ids: list[
     return pool
 
 
-def pick_experiences(row: dict, pool: ExperiencePool, family: dict[str, str | None], k: int,
-                     tokenizer, attempt_tokens: int) -> tuple[list[Trial], list[Trial]]:
-    """(relevant, irrelevant) trials for one held-out problem: K of its family (the retriever's top K when
-    there are no families), most similar first, and for each one an unrelated problem's trial of the nearest
-    length (problem and shown response, in characters), none used twice. Responses shortened as training does."""
-    ranked = [abstract.best_trial(trials) for _, trials in pool.similar(row["problem"], len(pool.trials),
+def shown_trials(pool: ExperiencePool, tokenizer, attempt_tokens: int) -> dict[str, Trial]:
+    """Each pool problem's trial as abstraction shows it: its best (newest correct, else newest), the response
+    shortened to --attempt-tokens as training does. Made once; every context and the judge read it."""
+    return {pid: dataclasses.replace(t, response=reflect.shorten(t.response, tokenizer, attempt_tokens))
+            for pid, t in ((pid, abstract.best_trial(trials)) for pid, trials in pool.trials.items())}
+
+
+def pick_experiences(row: dict, pool: ExperiencePool, shown: dict[str, Trial], family: dict[str, str | None],
+                     k: int) -> tuple[list[Trial], list[Trial]]:
+    """(relevant, irrelevant) trials for one held-out problem, as `shown`: K of its family (the retriever's top
+    K when there are no families), most similar first, and for each one an unrelated problem's trial of the
+    nearest length (problem and shown response, in characters), none used twice."""
+    ranked = [shown[trials[0].problem_id] for _, trials in pool.similar(row["problem"], len(pool.trials),
                                                                         exclude_id=row["id"])]
-    ranked = [dataclasses.replace(t, response=reflect.shorten(t.response, tokenizer, attempt_tokens)) for t in ranked]
     own = family_of(row)
     if own is None:
         relevant, others = ranked[:k], ranked[len(ranked) // 2:]  # unrelated: the less similar half
@@ -122,17 +128,16 @@ def write_principles(model, tokenizer, problems: list[str], shown: list[list[Tri
     return made
 
 
-def judge_report(model, tokenizer, rows: list[dict], pool: ExperiencePool, family: dict[str, str | None],
-                 cfg) -> dict:
+def judge_report(model, tokenizer, rows: list[dict], pool: ExperiencePool, shown: dict[str, Trial],
+                 family: dict[str, str | None], cfg) -> dict:
     """The relevance judge on the K candidates training would retrieve for each held-out problem, against the
     families, reading each candidate's problem and solution (experience, the default) and its problem alone:
     share of the problem's family among them, acceptance, precision and recall at gamma, score quantiles."""
     pairs, same = {"experience": [], "problem": []}, []
     for row in rows:
         for _, trials in pool.similar(row["problem"], cfg.abstract_candidates, exclude_id=row["id"]):
-            t = abstract.best_trial(trials)
-            shown = reflect.shorten(t.response, tokenizer, cfg.attempt_tokens)
-            pairs["experience"].append(prompts.relevance_request(row["problem"], t.problem, shown))
+            t = shown[trials[0].problem_id]
+            pairs["experience"].append(prompts.relevance_request(row["problem"], t.problem, t.response))
             pairs["problem"].append(prompts.relevance_request(row["problem"], t.problem, None))
             same.append(family[t.problem_id] == family_of(row))
     same = np.array(same, dtype=bool)
@@ -150,13 +155,14 @@ def judge_report(model, tokenizer, rows: list[dict], pool: ExperiencePool, famil
     return out
 
 
-def context_prompts(tokenizer, rows: list[dict], first: list[str], relevant: list[list[Trial]],
+def context_prompts(tokenizer, rows: list[dict], none: list[str], first: list[str], relevant: list[list[Trial]],
                     principles: dict[str, list[str]], cfg) -> dict[str, list[str | None]]:
-    """Each context's prompt per held-out problem (None: the context has nothing for that problem)."""
+    """Each context's prompt per held-out problem (None: the context has nothing for that problem); `none` are
+    the plain prompts, `first` the responses to them."""
     def render(request: str) -> str:
         return prompts.render_prompt(tokenizer, request, cfg.one_shot)
 
-    out = {"none": [render(prompts.problem_request(r["problem"])) for r in rows],
+    out = {"none": none,
            "reflect": [reflect.reflection_prompt(tokenizer, r["problem"], [attempt], attempt_tokens=cfg.attempt_tokens,
                                                  one_shot=cfg.one_shot)[0] for r, attempt in zip(rows, first)],
            "gold": [render(prompts.answer_hint_request(r["problem"], r["answer"])) for r in rows],
@@ -206,33 +212,30 @@ def main(argv: list[str] | None = None) -> dict:
     none = [prompts.render_prompt(tokenizer, prompts.problem_request(r["problem"]), cfg.one_shot) for r in eval_rows]
     first_outs = greedy(none, "context none")
     first = [o.text for o in first_outs]
-    picked = [pick_experiences(r, pool, family, cfg.abstract_candidates, tokenizer, cfg.attempt_tokens)
-              for r in eval_rows]
+    shown = shown_trials(pool, tokenizer, cfg.attempt_tokens)
+    picked = [pick_experiences(r, pool, shown, family, cfg.abstract_candidates) for r in eval_rows]
     relevant, irrelevant = [p[0] for p in picked], [p[1] for p in picked]
     problems = [r["problem"] for r in eval_rows]
     principles = {"principles": write_principles(model, tokenizer, problems, relevant, cfg, eos_ids),
                   "principles-irrelevant": write_principles(model, tokenizer, problems, irrelevant, cfg, eos_ids)}
-    texts = context_prompts(tokenizer, eval_rows, first, relevant, principles, cfg)
+    texts = context_prompts(tokenizer, eval_rows, none, first, relevant, principles, cfg)
     results = {}
     for name, per_row in texts.items():
-        shown = [i for i, t in enumerate(per_row) if t is not None]
-        outs = first_outs if name == "none" else greedy([per_row[i] for i in shown], f"context {name}")
+        given = [i for i, t in enumerate(per_row) if t is not None]
+        outs = first_outs if name == "none" else greedy([per_row[i] for i in given], f"context {name}")
         verdicts = [0.0] * len(eval_rows)  # a problem the context has nothing for counts as wrong under it
-        truncated = []
-        for i, out in zip(shown, outs):
-            verdicts[i] = math_grader.grade(out.text, eval_rows[i]["answer"])
-            truncated.append(out.truncated)
         responses = [""] * len(eval_rows)
-        for i, out in zip(shown, outs):
-            responses[i] = out.text
-        results[name] = {"with_context": len(shown), "verdicts": verdicts, "truncated": truncated,
+        for i, out in zip(given, outs):
+            verdicts[i], responses[i] = math_grader.grade(out.text, eval_rows[i]["answer"]), out.text
+        results[name] = {"with_context": len(given), "verdicts": verdicts, "truncated": [o.truncated for o in outs],
                          "responses": responses,
                          "prompt_tokens": float(np.mean([len(tokenizer(per_row[i], add_special_tokens=False)
-                                                              .input_ids) for i in shown])) if shown else 0.0}
-    return report(args, cfg, eval_rows, pool, relevant, family, results, principles, model, tokenizer, t_start)
+                                                              .input_ids) for i in given])) if given else 0.0}
+    return report(args, cfg, eval_rows, pool, shown, relevant, family, results, principles, model, tokenizer,
+                  t_start)
 
 
-def report(args, cfg, rows, pool, relevant, family, results, principles, model, tokenizer, t_start) -> dict:
+def report(args, cfg, rows, pool, shown, relevant, family, results, principles, model, tokenizer, t_start) -> dict:
     """The table (stdout) and the JSON (every verdict and response, the principles written, the pool's make-up,
     the judge's report)."""
     base = results["none"]["verdicts"]
@@ -250,7 +253,7 @@ def report(args, cfg, rows, pool, relevant, family, results, principles, model, 
             row["vs_none"] = stats.paired_difference([r["verdicts"]], [base])
         summary["contexts"][name] = row
     if any(family_of(r) is not None for r in rows):
-        summary["judge"] = judge_report(model, tokenizer, rows, pool, family, cfg)
+        summary["judge"] = judge_report(model, tokenizer, rows, pool, shown, family, cfg)
     summary["seconds"] = time.perf_counter() - t_start
     print(f"\n{cfg.model} on {cfg.dataset} (levels {cfg.levels}, seed {cfg.seed}): {len(rows)} held-out problems, "
           f"greedy; pool {args.pool}: {len(pool)} trials, {summary['pool_correct']:.0%} correct; relevant trials "

@@ -34,8 +34,10 @@ def test_relevant_trials_are_the_family_and_irrelevant_ones_match_their_length(t
     pool.add([Trial(r["id"], r["problem"], "scratch", "", r["solution"] + " x" * (i % 7), 1.0, 1)
               for i, r in enumerate(train)])
     family = {r["id"]: r["family"] for r in train + held}
+    shown = probe.shown_trials(pool, tokenizer, 160)
+    assert shown[train[0]["id"]] == pool.trials[train[0]["id"]][0]  # short responses stay as they are
     for row in held:
-        relevant, irrelevant = probe.pick_experiences(row, pool, family, 3, tokenizer, 160)
+        relevant, irrelevant = probe.pick_experiences(row, pool, shown, family, 3)
         assert len(relevant) == 3 == len(irrelevant)  # six of each family in 48: enough of both
         assert all(family[t.problem_id] == row["family"] for t in relevant)
         assert all(family[t.problem_id] != row["family"] for t in irrelevant)

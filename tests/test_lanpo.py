@@ -538,15 +538,14 @@ def _record(step, scratch, reflect=(0, 0.0), abstract_=(0, 0.0), candidates=0, a
     return r
 
 
-def test_the_run_summary_says_when_a_channel_never_fired_or_scored_below_scratch(tmp_path):
+def test_the_run_summary_says_when_a_channel_never_fired_or_scored_below_scratch():
     records = [_record(1, (8, 0.5), candidates=4, relevance_score_p10=0.3, relevance_score_p50=0.45,
                        relevance_score_p90=0.6),
                _record(2, (6, 0.5), reflect=(2, 0.0), candidates=6, relevance_score_p10=0.35,
                        relevance_score_p50=0.5, relevance_score_p90=0.7),
                _record(3, (4, 1.0), reflect=(4, 0.5))]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = lanpo.Config(feedback="both", relevance_threshold=0.9)
-    assert lanpo.feedback_summary(tmp_path, cfg) == [
+    assert lanpo.feedback_summary(records, cfg) == [
         "relevance: 0 of 10 candidates accepted at gamma 0.9 (median score 0.47, per-step 10-90 % from 0.30 to "
         "0.70); principles made 0, served from the cache 0",
         # (2*0 + 4*0.5) / 6 against (6*0.5 + 4*1.0) / 10 over steps 2 and 3
@@ -555,19 +554,17 @@ def test_the_run_summary_says_when_a_channel_never_fired_or_scored_below_scratch
         "(bench/context_probe.py says whether this model can use the channel)"]
     # principles made, but a group of 2 has one feedback slot and reflection takes it
     records = [_record(1, (4, 0.5), reflect=(2, 0.5), candidates=2, accept=1.0, principles_made=2)]
-    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
-    lines = lanpo.feedback_summary(tmp_path, lanpo.Config(feedback="both", group_size=2, relevance_threshold=0))
+    lines = lanpo.feedback_summary(records, lanpo.Config(feedback="both", group_size=2, relevance_threshold=0))
     assert lines[-1] == ("abstract: never fired in 1 steps: a group's 1 feedback rollout goes to reflection first: "
                          "raise --group-size or --feedback-ratio (bench/context_probe.py says whether this model "
                          "can use the channel)")
-    lines = lanpo.feedback_summary(tmp_path, lanpo.Config(feedback="abstract", group_size=2, relevance_threshold=0))
+    lines = lanpo.feedback_summary(records, lanpo.Config(feedback="abstract", group_size=2, relevance_threshold=0))
     assert lines[-1].startswith("abstract: never fired in 1 steps: its principles were made too late")
     # reflection off, and abstraction that fired above scratch
     records = [_record(1, (4, 0.25), abstract_=(4, 0.75), candidates=4, accept=1.0)]
-    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
-    lines = lanpo.feedback_summary(tmp_path, lanpo.Config(feedback="abstract", relevance_threshold=0))
+    lines = lanpo.feedback_summary(records, lanpo.Config(feedback="abstract", relevance_threshold=0))
     assert lines[1:] == ["abstract: 4 rollouts, reward 0.750 against 0.250 from scratch on the 1 steps both ran"]
-    assert lanpo.feedback_summary(tmp_path, lanpo.Config(feedback="none")) == []
+    assert lanpo.feedback_summary(records, lanpo.Config(feedback="none")) == []
 
 
 def test_the_progress_bar_shows_each_channel():
