@@ -544,7 +544,7 @@ def update_batch(tokenizer, r: Rollouts, group_problems: list[dict], lessons: di
 
 
 def grade_all(rewarder: reward.Rewarder, completions: list[Completion], problems: list[dict]) -> torch.Tensor:
-    return torch.tensor(rewarder.scores(problems, [c.text for c in completions]))
+    return torch.tensor(rewarder.scores(problems, [c.text for c in completions], [c.truncated for c in completions]))
 
 
 def step_advantages(kinds: list[str], all_rewards: torch.Tensor, cfg: Config, accelerator) -> torch.Tensor:

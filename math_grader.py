@@ -34,13 +34,14 @@ STARTUP_TIMEOUT_S = 120.0
 # Extraction
 
 
-def _boxed_contents(text: str) -> str | None:
-    """Content of the last \\boxed{...} or \\fbox{...}, brace-balanced; None if absent or unbalanced."""
+def _boxed_contents(text: str, truncated: bool = False) -> str | None:
+    """Content of the last \\boxed{...} or \\fbox{...}, brace-balanced; None if absent or unbalanced. In a
+    truncated text a brace-less box ("\\boxed 5") that runs to the cut is no answer: the cut may have shortened it."""
     starts = [m for m in re.finditer(r"\\(?:boxed|fbox)\s*(\{)?", text)]
     for m in reversed(starts):
         if m.group(1) is None:  # "\boxed 5": the token after the command
             tok = re.match(r"\s*([^\s$\\]+)", text[m.end():])
-            if tok:
+            if tok and not (truncated and m.end() + tok.end() == len(text)):
                 return tok.group(1)
             continue
         depth, i = 1, m.end()
@@ -66,15 +67,20 @@ _FALLBACKS = [
 ]
 
 
-def extract_answer(text: str) -> str | None:
-    """The model's final answer: the last \\boxed{}/\\fbox{}, else 'The answer is X', 'Answer: X', '#### X'."""
-    boxed = _boxed_contents(text)
+def extract_answer(text: str, truncated: bool = False) -> str | None:
+    """The model's final answer: the last \\boxed{}/\\fbox{}, else 'The answer is X', 'Answer: X', '#### X'.
+
+    truncated: the text was cut at the token limit. Only an answer completed before the cut counts: a box
+    whose braces close, or a marked answer with text after it. 'The answer is 1', cut from '15', is no answer."""
+    boxed = _boxed_contents(text, truncated)
     if boxed is not None:
         return boxed
     for pattern in _FALLBACKS:
-        matches = pattern.findall(text)
+        # cut: an answer that runs to the end of the text, with no whitespace the model wrote after it
+        matches = [m for m in pattern.finditer(text)
+                   if not truncated or m.end() < len(text) or text[m.end() - 1].isspace()]
         if matches:
-            return matches[-1].strip().rstrip(".").strip()
+            return matches[-1].group(1).strip().rstrip(".").strip()
     return None
 
 
@@ -419,6 +425,16 @@ def power_key(s: str):
     return base, exponent
 
 
+# an operator between two numbers ("23+5", "3*(4+5)", "6\\div2"); a power ("2^{10}") is a closed form
+_ARITHMETIC = re.compile(r"\d\)*(?:[-+*/×·÷]|\\times|\\cdot|\\div)\(*-?\d")
+
+
+def unevaluated(p: str) -> bool:
+    """A normalised answer that is arithmetic left to do ("23+5", "3\\times4+5"), not a number written in one of
+    exact_value's forms (a/b, 4.5\\times10^{3}, -7): against a numeric gold answer it restates, never answers."""
+    return exact_value(p) is None and _ARITHMETIC.search(p) is not None
+
+
 def fast_verdict(pred: str, gold: str) -> bool | None:
     """True/False when strings or exact numbers settle it, None when a symbolic check is needed."""
     (pred, p_unit), (gold, g_unit) = split_unit(pred), split_unit(gold)
@@ -427,6 +443,8 @@ def fast_verdict(pred: str, gold: str) -> bool | None:
     p, g = normalize(pred), normalize(gold)
     if p == g:
         return True
+    if unevaluated(p) and (exact_value(g) is not None or number_from_words(gold) is not None):
+        return False  # "\\boxed{23 + 5}" for 28 echoes the question: the arithmetic is the task
     if max(len(p), len(g)) > SYMBOLIC_MAX_CHARS:  # the forms below are short; a long answer is one of none
         pf, gf = as_fraction(p), as_fraction(g)
         return pf == gf if pf is not None and gf is not None else None
@@ -609,9 +627,10 @@ def warm_up() -> None:
         list(pool.map(lambda p: p.ask({"pred": "1", "gold": "1"}, TIMEOUT_S), _POOL.processes))
 
 
-def grade(response: str, gold: str, timeout: float = TIMEOUT_S) -> float:
-    """1.0 if the response's final answer equals the gold answer, else 0.0; returns within ~timeout."""
-    pred = extract_answer(response)
+def grade(response: str, gold: str, timeout: float = TIMEOUT_S, truncated: bool = False) -> float:
+    """1.0 if the response's final answer equals the gold answer, else 0.0; returns within ~timeout.
+    truncated: the response was cut at the token limit (see extract_answer)."""
+    pred = extract_answer(response, truncated)
     if pred is None or not pred.strip():
         return 0.0
     verdict = fast_verdict(pred, gold)
@@ -622,8 +641,10 @@ def grade(response: str, gold: str, timeout: float = TIMEOUT_S) -> float:
     return float(_ask(pred, gold, timeout))
 
 
-def grade_batch(responses: list[str], golds: list[str], timeout: float = TIMEOUT_S) -> list[float]:
+def grade_batch(responses: list[str], golds: list[str], timeout: float = TIMEOUT_S,
+                truncated: list[bool] | None = None) -> list[float]:
     """grade() of each pair, on threads: the symbolic checks run side by side on the grader processes, so
     a batch takes about its slowest check rather than the sum of them."""
+    cut = truncated if truncated is not None else [False] * len(responses)
     with ThreadPoolExecutor(POOL_SIZE) as pool:
-        return list(pool.map(lambda pair: grade(*pair, timeout=timeout), zip(responses, golds)))
+        return list(pool.map(lambda args: grade(args[0], args[1], timeout, args[2]), zip(responses, golds, cut)))

@@ -75,10 +75,11 @@ class Rewarder:
             self.workers = math_grader.ProcessPool(workers, f"import reward; reward._serve({spec!r})",
                                                    f"--reward {spec}", path)
 
-    def scores(self, problems: list[dict], completions: list[str]) -> list[float]:
-        """One reward per (problem row, completion text)."""
+    def scores(self, problems: list[dict], completions: list[str], truncated: list[bool] | None = None) -> list[float]:
+        """One reward per (problem row, completion text); `truncated` (cut at the token limit) reaches the math
+        grader, which reads no answer from a cut that may have shortened it."""
         if self.spec == MATH:
-            return math_grader.grade_batch(completions, [p["answer"] for p in problems])
+            return math_grader.grade_batch(completions, [p["answer"] for p in problems], truncated=truncated)
         replies = self.workers.map([{"problem": _plain(p), "completion": c} for p, c in zip(problems, completions)],
                                    self.timeout)
         replies = [r if r is not None else {"error": f"no reward within --reward-timeout {self.timeout}s"}

@@ -95,9 +95,10 @@ def _sample(model, tokenizer, texts: list[str], cfg, temperature: float, eos_ids
 
 def _record(row: dict, prompt: str, outs) -> dict:
     """One problem's turn: the exact prompt, the responses, their extracted answers and verdicts."""
-    verdicts = [math_grader.grade(o.text, row["answer"]) for o in outs]
+    verdicts = [math_grader.grade(o.text, row["answer"], truncated=o.truncated) for o in outs]
     return {"id": row["id"], "problem": row["problem"], "gold": row["answer"], "prompt": prompt,
-            "responses": [o.text for o in outs], "answers": [math_grader.extract_answer(o.text) for o in outs],
+            "responses": [o.text for o in outs],
+            "answers": [math_grader.extract_answer(o.text, o.truncated) for o in outs],
             "verdicts": verdicts, "lengths": [len(o.completion_ids) for o in outs],
             "truncated": [o.truncated for o in outs]}
 
@@ -106,7 +107,8 @@ def add_rewards(records: list[dict], rows: list[dict], rewarder, prefix: str = "
     """Each record's `rewards` (or `turn2_rewards`): the responses scored by a --reward function."""
     texts = [text for r in records for text in r[prefix + "responses"]]
     problems = [row for row, r in zip(rows, records) for _ in r[prefix + "responses"]]
-    scores = iter(rewarder.scores(problems, texts))
+    cut = [flag for r in records for flag in r[prefix + "truncated"]]
+    scores = iter(rewarder.scores(problems, texts, cut))
     for r in records:
         r[prefix + "rewards"] = [next(scores) for _ in r[prefix + "responses"]]
 

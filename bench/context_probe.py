@@ -74,7 +74,8 @@ def make_pool(kind: str, model, tokenizer, rows: list[dict], cfg, eos_ids: list[
         outs = generate_completions(model, tokenizer, [t for t in texts for _ in range(samples)], eos_ids=eos_ids,
                                     max_new_tokens=cfg.max_new_tokens, temperature=1.0, batch_size=cfg.gen_batch,
                                     share_prefill=cfg.share_prefill, progress="pool: attempts at training problems")
-        pool.add([Trial(r["id"], r["problem"], "scratch", "", o.text, math_grader.grade(o.text, r["answer"]), 1)
+        pool.add([Trial(r["id"], r["problem"], "scratch", "", o.text,
+                        math_grader.grade(o.text, r["answer"], truncated=o.truncated), 1)
                   for i, r in enumerate(rows) for o in outs[i * samples:(i + 1) * samples]])
     else:
         pool.load(kind)
@@ -226,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
         verdicts = [0.0] * len(eval_rows)  # a problem the context has nothing for counts as wrong under it
         responses = [""] * len(eval_rows)
         for i, out in zip(given, outs):
-            verdicts[i], responses[i] = math_grader.grade(out.text, eval_rows[i]["answer"]), out.text
+            verdicts[i] = math_grader.grade(out.text, eval_rows[i]["answer"], truncated=out.truncated)
+            responses[i] = out.text
         results[name] = {"with_context": len(given), "verdicts": verdicts, "truncated": [o.truncated for o in outs],
                          "responses": responses,
                          "prompt_tokens": float(np.mean([len(tokenizer(per_row[i], add_special_tokens=False)

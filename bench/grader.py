@@ -34,9 +34,14 @@ def rewrites(gold: str) -> list[tuple[str, bool, str]]:
     if re.fullmatch(r"-?\d+", gold):
         n = int(gold)
         out += [(str(n + 1), False, "off-by-one"), (str(-n) if n else "1", False, "sign"),
-                (f"{n}.0", True, "decimal-zero")]
+                (f"{n}.0", True, "decimal-zero"), (f"{n - 3} + 3", False, "restated-sum")]
+        factor = next((f for f in range(2, int(abs(n) ** 0.5) + 1) if n % f == 0), None)
+        if factor:  # the question's arithmetic left undone is a restatement, not an answer
+            out.append((f"{factor} \\times {n // factor}", False, "restated-product"))
         if abs(n) >= 1000:
             out.append((f"{n:,}", True, "thousands"))
+        if n and n % 100 == 0:
+            out.append((f"{n / 1000:g} \\times 10^{{3}}", True, "scientific"))
     m = re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", gold)
     if m:
         value = Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
@@ -75,6 +80,16 @@ HOSTILE = [("2^{2^{1000}}", "4^{2^{999}}", True), ("2^{2^{1000}}", "2^{2^{999}}"
            ("(1+\\frac{1}{10^{50}})^{10^{50}}", "e", False), ("2^{10^{6}} - 1", "0", False),
            ("10^{10^{10}} + 1", "10^{10^{10}}", False), ("9^{9^{9}}", "3^{2 \\cdot 9^{9}}", False),
            ("2^{2^{2^{2^{2^{2^{2^{2}}}}}}}!", "1", False), ("10^{10^{10^{10}}}", "1", False)]
+
+
+def cut_row(golds: list[str]) -> dict:
+    """Responses cut at the token limit (graded with truncated=True): a marked answer that runs to the cut must
+    score 0 even where it reads as the gold answer ("The answer is 15" may have been cut from 150); a closed
+    box before the cut must score 1."""
+    numbers = [g for g in golds if re.fullmatch(r"\d+", g)]
+    shortened = [math_grader.grade(f"So the answer is {g}", g, truncated=True) for g in numbers]
+    boxed = [math_grader.grade(f"The answer is \\boxed{{{g}}}. Let me check: {g}", g, truncated=True) for g in numbers]
+    return {"cases": 2 * len(numbers), "wrong": int(sum(shortened)) + len(numbers) - int(sum(boxed))}
 
 
 def hostile_row() -> dict:
@@ -147,6 +162,7 @@ def main() -> None:
     results["cases"] = len(cases)
     results["timeouts"] = math_grader.timeouts()
     results["hostile"] = hostile_row()
+    results["cut"] = cut_row(golds)
     results["batch"] = batch_row()
     print(f"{len(cases)} labelled pairs from {len(golds)} MATH-500 gold answers")
     print("| grader | accuracy | p50 ms | p99 ms | max ms | errors by rule |")
@@ -159,6 +175,7 @@ def main() -> None:
     h = results["hostile"]
     print(f"hostile answers: {h['cases']} cases, {h['wrong']} wrong, {h['timeouts']} timeouts, slowest "
           f"{h['max_ms']:.1f} ms ({h['slowest']})")
+    print(f"responses cut at the token limit: {results['cut']['cases']} cases, {results['cut']['wrong']} wrong")
     b = results["batch"]
     print(f"{b['checks']} symbolic checks: one by one {b['sequential_s']:.2f} s, grade_batch on {b['processes']} "
           f"processes {b['batch_s']:.2f} s (all right: {b['all_equal']})")

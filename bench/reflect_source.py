@@ -93,7 +93,8 @@ def main() -> None:
                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                     batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill)
         verdicts = math_grader.grade_batch([o.text for o in outs], [gold[pid] for pid in measured
-                                                                    for _ in range(args.samples)])
+                                                                    for _ in range(args.samples)],
+                                           truncated=[o.truncated for o in outs])
         scores[name] = [per_problem(verdicts[i * args.samples:(i + 1) * args.samples], trials[0].reward)
                         for i, trials in enumerate(attempts)]
         result[name] = {**summary(scores[name]),

@@ -91,8 +91,8 @@ def training_metrics(path: Path) -> list[dict]:
             for line in path.read_text().splitlines()]
 
 
-def fake_grade(response: str, gold: str, timeout: float = 5.0) -> float:
-    """The random model never answers right: reward length parity so every group has signal."""
+def fake_grade(response: str, gold: str, timeout: float = 5.0, truncated: bool = False) -> float:
+    """The random model never answers right: reward length parity so every group has signal (cut or not)."""
     return float(len(response) % 2 == 0)
 
 

@@ -297,3 +297,11 @@ def test_evaluation_refuses_what_it_cannot_honour(tmp_path):
     with pytest.raises(SystemExit, match="--pool missing.jsonl: file not found"):
         evaluate.main(["--model", "no/such-model", "--benchmarks", str(bench), "--mode", "abstract",
                        "--pool", "missing.jsonl"])
+
+
+def test_a_cut_response_is_graded_as_cut_in_evaluation():
+    from rollout import Completion
+    cut = Completion(text="The answer is 15", prompt_ids=[1], completion_ids=[2, 3], truncated=True)
+    whole = Completion(text="The answer is 15", prompt_ids=[1], completion_ids=[2, 3], truncated=False)
+    record = scoring._record({"id": "p", "problem": "What is 10 + 5?", "answer": "15"}, "prompt", [cut, whole])
+    assert record["verdicts"] == [0.0, 1.0] and record["answers"] == [None, "15"]

@@ -228,3 +228,49 @@ def test_integer_power_towers_are_settled_exactly_without_sympy():
     assert grade("\\boxed{2^{2^{2^{2}}}}", "65536") == 1.0
     assert grade("\\boxed{2^{10}}", "1024") == 1.0 and grade("\\boxed{2^{10}}", "1000") == 0.0
     assert time.perf_counter() - t0 < 0.5 and math_grader.timeouts() == before
+
+
+@pytest.mark.parametrize("response,gold,expected", [
+    ("\\boxed{23 + 5}", "28", 0.0),            # the question echoed: the arithmetic is the task
+    ("Answer: 3 + 4", "7", 0.0),
+    ("\\boxed{3*4+5}", "17", 0.0),
+    ("\\boxed{6 \\div 2}", "3", 0.0),
+    ("\\boxed{4 \\times 7}", "twenty-eight", 0.0),
+    ("\\boxed{(3)(4)-2}", "10", 0.0),
+    ("\\boxed{28}", "28", 1.0),
+    ("\\boxed{-7}", "-7", 1.0),                # a sign is not an operator between numbers
+    ("\\boxed{3/4}", "0.75", 1.0),             # a fraction is a number
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("\\boxed{4.5 \\times 10^{3}}", "4500", 1.0),  # scientific notation is a number
+    ("\\boxed{2^{10}}", "1024", 1.0),          # a power is a closed form
+    ("\\boxed{1 + \\sqrt{2}}", "\\sqrt{2} + 1", 1.0),  # a symbolic gold answer: expressions compare as before
+])
+def test_an_unevaluated_expression_is_no_answer_to_a_number(response, gold, expected):
+    assert grade(response, gold) == expected
+
+
+def test_random_sums_and_products_left_undone_score_zero_and_done_score_one():
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b, op = rng.randint(0, 999), rng.randint(1, 999), rng.choice(["+", "*", "\\times", "-", "\\cdot"])
+        value = {"+": a + b, "-": a - b}.get(op, a * b)
+        assert grade(f"\\boxed{{{a} {op} {b}}}", str(value)) == 0.0, (a, op, b)
+        assert grade(f"so \\boxed{{{value}}}", str(value)) == 1.0, (a, op, b)
+
+
+@pytest.mark.parametrize("response,expected_cut,expected_whole", [
+    ("The answer is 15", 0.0, 1.0),             # may have been cut from 150
+    ("Answer: 15", 0.0, 1.0),
+    ("#### 15", 0.0, 1.0),
+    ("\\boxed 15", 0.0, 1.0),                   # a brace-less box that runs to the cut
+    ("\\boxed{15", 0.0, 0.0),                   # an unclosed box is no answer either way
+    ("The answer is \\boxed{15}", 1.0, 1.0),    # closed before the cut
+    ("The answer is 15. Let me check that", 1.0, 1.0),  # marked, and the model wrote on after it
+    ("The answer is 15.\n", 1.0, 1.0),
+    ("\\boxed{15}. Wait, maybe it is \\boxed{1", 1.0, 1.0),  # the last closed box before the cut
+])
+def test_a_cut_response_gives_no_answer_the_cut_may_have_shortened(response, expected_cut, expected_whole):
+    assert grade(response, "15", truncated=True) == expected_cut
+    assert grade(response, "15") == expected_whole
+    assert math_grader.grade_batch([response], ["15"], truncated=[True]) == [expected_cut]

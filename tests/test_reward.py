@@ -110,3 +110,10 @@ def test_training_and_evaluation_use_the_reward_function(tiny_model_dir, tmp_pat
     zero_shot = [r for r in rows if r["mode"] == "zero-shot"]
     assert summary["synthetic:arith"]["zero-shot"]["reward"] == pytest.approx(
         sum(r["rewards"][0] for r in zero_shot) / len(zero_shot))
+
+
+def test_the_math_reward_reads_no_answer_from_a_cut_completion():
+    rewarder = reward.Rewarder()
+    rows = [{"id": "p", "problem": "What is 10 + 5?", "answer": "15"}] * 2
+    assert rewarder.scores(rows, ["The answer is 15"] * 2, [True, False]) == [0.0, 1.0]
+    assert rewarder.scores(rows, ["The answer is 15"] * 2) == [1.0, 1.0]  # no flags: nothing was cut
