@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 import prompts
+from data import content_key
 from forwards import cache_kwarg, position_ids
 from math_grader import extract_answer
 from pool import ExperiencePool, Trial
@@ -190,10 +191,9 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
             else:
                 stats.cached_empty += 1
             continue
-        found = pool.similar(p["problem"], cfg.abstract_candidates, exclude_id=p["id"])
+        found = pool.similar(p["problem"], cfg.abstract_candidates, exclude_id=p["id"], content_key=content_key(p))
         shown = [best_trial(trials) for _, trials in found]
-        shown = [Trial(t.problem_id, t.problem, t.kind, t.context, shorten(t.response, tokenizer, cfg.attempt_tokens),
-                       t.reward, t.step) for t in shown]
+        shown = [replace(t, response=shorten(t.response, tokenizer, cfg.attempt_tokens)) for t in shown]
         stats.candidates += len(shown)
         stats.pairs += [(p["id"], t.problem_id) for t in shown]
         todo.append((p, shown))

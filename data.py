@@ -77,26 +77,29 @@ def _arith_problem(rng: random.Random, level: int) -> tuple[str, int, str]:
 
 def synthetic_arith(split: str, size: int, seed: int, levels: list[int], train_size: int = 2000) -> list[dict]:
     """`size` problems with levels drawn uniformly from `levels`, deterministic in (split, seed). No two
-    problems of a split share their arithmetic (`content`), so none has a twin in other words for retrieval
-    to show, and N held-out problems are N distinct ones. Any other split than train never shares arithmetic
-    with the `train_size` train problems of the same seed, whatever the wording (held out by content). A
-    level whose distinct problems are used up (level 1 has 90) is no longer drawn; none left is an error."""
+    problems of a split share their content key (operands and answer: "2 + 2" and "2 * 2" are one problem,
+    since a solution of either shows the other's answer), so none has a twin in other words for retrieval to
+    show, and N held-out problems are N distinct ones. Any other split than train never shares a content key
+    with the `train_size` train problems of the same seed, whatever the wording, and no split holds the
+    worked example's arithmetic (every prompt shows its answer). A level whose distinct problems are used up
+    (level 1 has 90) is no longer drawn; none left is an error."""
     for level in levels:
         if not 1 <= level <= ARITH_LEVELS:
             raise SystemExit(f"--levels: synthetic:arith has levels 1-{ARITH_LEVELS}, got {level}")
-    train_contents: set[str] = set()
+    seen = {ONE_SHOT_KEY}  # content keys unseen in training and not yet here
     if split != "train":
-        train_contents = {row["content"] for row in synthetic_arith("train", train_size, seed, levels)}
+        seen |= {content_key(row) for row in synthetic_arith("train", train_size, seed, levels)}
     rng = random.Random(f"arith-{split}-{seed}")
-    rows, seen, open_levels = [], set(train_contents), list(levels)  # unseen in training, and not yet here
+    rows, open_levels = [], list(levels)
     while len(rows) < size:
         level = rng.choice(open_levels)  # drawn first, so held-out splits keep the level mix of the train split
         for _ in range(1000):
             problem, answer, arithmetic = _arith_problem(rng, level)
-            if arithmetic not in seen:
-                seen.add(arithmetic)
-                rows.append({"id": f"arith-{split}-{len(rows):05d}", "problem": problem, "answer": str(answer),
-                             "level": level, "content": arithmetic})
+            row = {"id": f"arith-{split}-{len(rows):05d}", "problem": problem, "answer": str(answer),
+                   "level": level, "content": arithmetic}
+            if content_key(row) not in seen:
+                seen.add(content_key(row))
+                rows.append(row)
                 break
         else:  # this level's distinct problems are used up (level 1 has 90): draw from the others
             open_levels.remove(level)
@@ -122,7 +125,7 @@ RULE_FORMULAS = {  # a family's hidden rule: two operands -> the answer (no plai
 RULE_OPERANDS = {1: (2, 9), 2: (10, 19), 3: (20, 49)}  # level -> both operands' range
 RULE_TEMPLATES = ("What is the {family} of {a} and {b}?", "Compute the {family} of {a} and {b}.",
                   "Find the {family} of {a} and {b}.")
-ONE_SHOT_ANSWER = "7"  # prompts.ONE_SHOT's answer: no built-in problem has it (every prompt shows it)
+ONE_SHOT_ANSWER = "7"  # prompts.ONE_SHOT's answer: no synthetic:rules problem has it (every prompt shows it)
 
 
 def rule_families(seed: int) -> dict[str, str]:
@@ -178,6 +181,61 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
 SYNTHETIC = {"synthetic:arith": (synthetic_arith, ARITH_LEVELS), "synthetic:rules": (synthetic_rules, RULES_LEVELS)}
 
 _SPACING = re.compile(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|\s+")
+_LAYOUT = re.compile(r"\\(?:left|right|displaystyle)(?![a-zA-Z])|[${}.,;:!?]")
+_NUMBERS = re.compile(r"\d+(?:\.\d+)?")
+REWORDED_OVERLAP = 0.65  # word-set Jaccard above which two problems with the same answer and numbers are one
+
+
+def twin_text(text: str) -> str:
+    """A problem's text as twin checks compare it: problem_key, lower-cased, without `$`, braces, \\left,
+    \\right and punctuation ("Find $x+y$." and "find x + y" are one problem)."""
+    return _LAYOUT.sub("", problem_key(text).lower())
+
+
+def content_key(row: dict) -> str:
+    """A generated problem's operands and answer ("2 5 = 7" for "What is 2 + 5?" and "Tom has 5 apples and
+    gets 2 more ..."): two problems with one key are one problem to a learner, since a solution of either shows
+    the other's answer ("2 + 2" and "2 * 2"). "" for rows without `content` (data files)."""
+    if "content" not in row:
+        return ""
+    return " ".join(sorted(_NUMBERS.findall(row["content"]), key=float)) + " = " + row["answer"]
+
+
+ONE_SHOT_KEY = content_key({"content": "2 5", "answer": "7"})  # prompts.ONE_SHOT's "What is 2 + 5?"
+
+
+def twin_keys(problem: str, key: str = "") -> list[str]:
+    """What makes two problems one: the same twin_text, or the same content key (`key`; generated rows)."""
+    return ["text " + twin_text(problem)] + (["content " + key] if key else [])
+
+
+def held_out_twins(train_rows: list[dict], eval_rows: list[dict]) -> list[tuple[str, str, str]]:
+    """(training id, held-out id, how) for each training problem that is a held-out one in other words: the
+    same twin_keys (text; or operands and answer), or reworded (the same answer and the same non-empty set of
+    numbers, with word sets overlapping by REWORDED_OVERLAP or more, Jaccard: "xy = 24, xz = 48, yz = 72 ...
+    find x + y + z" / "... what is the value of x + y + z")."""
+    owner = {key: row["id"] for row in eval_rows for key in twin_keys(row["problem"], content_key(row))}
+    by_answer: dict[str, list[tuple[dict, set, frozenset]]] = {}
+    for row in eval_rows:
+        by_answer.setdefault(_SPACING.sub("", row["answer"]), []).append(
+            (row, set(_words(row["problem"])), frozenset(_NUMBERS.findall(row["problem"]))))
+    twins = []
+    for row in train_rows:
+        same = next((k for k in twin_keys(row["problem"], content_key(row)) if k in owner), None)
+        if same is not None:
+            twins.append((row["id"], owner[same], "same " + same.split(" ", 1)[0]))
+            continue
+        words, numbers = set(_words(row["problem"])), frozenset(_NUMBERS.findall(row["problem"]))
+        for other, other_words, other_numbers in by_answer.get(_SPACING.sub("", row["answer"]), ()):
+            if numbers and numbers == other_numbers and \
+                    len(words & other_words) >= REWORDED_OVERLAP * len(words | other_words):
+                twins.append((row["id"], other["id"], "reworded"))
+                break
+    return twins
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\\[a-zA-Z]+|[a-zA-Z]+|\d+|[^\sa-zA-Z\d]", text.lower())
 
 
 def problem_key(text: str) -> str:

@@ -132,6 +132,19 @@ def overall(per_bench: dict[str, tuple[list[dict], dict]], samples: int) -> dict
     return out
 
 
+def drop_pool_twins(pool: ExperiencePool, benchmarks: dict[str, list[dict]], quiet: bool = False) -> list:
+    """Remove from the pool every problem that is an evaluated one in other words (its text up to layout, or
+    its operands and answer): its trials would show the evaluated problem's answer. Returns (pool id, evaluated
+    id) pairs, and says how many."""
+    twins = pool.twins_of([row for rows in benchmarks.values() for row in rows])
+    for pool_id, _ in twins:
+        pool.remove(pool_id)
+    if twins and not quiet:
+        print(f"--pool: dropped {len(twins)} pool problems that are evaluated problems in other words, e.g. "
+              + ", ".join(f"{p} = {e}" for p, e in twins[:3]))
+    return twins
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -186,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     benchmarks = {Path(name).name: load_benchmark(name, args.limit, args.seed, args.split, levels,
                                                   args.synthetic_size, **fields)
                   for name in args.benchmarks}  # a file path is shown by its file name
+    pool_twins = drop_pool_twins(pool, benchmarks) if pool is not None else []
     models.check_available(args.model)
     rewarder = reward.Rewarder(args.reward, args.reward_timeout) if args.reward != reward.MATH else None
 
@@ -200,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         pool = ExperiencePool(args.pool_per_problem, args.pool_max_problems,
                               EmbeddingIndex(abstract.hidden_state_embedder(model, tokenizer)))
         pool.load(args.pool)
+        drop_pool_twins(pool, benchmarks, quiet=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, float]]] = {}
     args.mode = sorted(set(args.mode), key=scoring.MODES.index)  # zero-shot first: reflect reuses it as turn 1
@@ -225,7 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
         results["overall"] = {mode: overall(per, args.samples) for mode, per in by_mode.items()}
     if rewarder is not None:
         rewarder.close()
-    (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": results,
+                                                      "pool_twins_dropped": pool_twins}, indent=2))
     table = markdown_table(results)
     (out_dir / "summary.md").write_text(table)
     print(table)

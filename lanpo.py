@@ -122,6 +122,9 @@ class Config:
     eval_dataset: str = _f("", "held-out problems; empty = the 'test' split of a synthetic --dataset, or none for "
                            "files")
     eval_split: str = _f("test", "split of the eval dataset")
+    eval_overlap: str = _f("drop", "training problems that are a held-out problem in other words (the same text up "
+                           "to layout, the same operands and answer, or reworded: data.held_out_twins): drop them "
+                           "and say how many, or refuse to start", choices=["drop", "refuse"])
     eval_size: int = _f(64, "eval problems (0 = all)")
     eval_every: int = _f(5, "evaluate every N steps and at the end (0 = never)")
     eval_at_start: bool = _f(True, "evaluate before the first step too: the run's baseline, so the end of the run "
@@ -784,7 +787,8 @@ class Run:
 
 
 def load_rows(cfg: Config) -> tuple[list[dict], list[dict], collections.Counter]:
-    """Training problems, held-out problems (none when never evaluated) and the bad rows skipped."""
+    """Training problems, held-out problems (none when never evaluated) and the rows skipped: bad rows, and
+    training problems that twin a held-out one (`twin_of_held_out`; --eval-overlap refuse stops instead)."""
     levels = parse_levels(cfg.levels)
     train_size = cfg.synthetic_size if cfg.dataset.startswith("synthetic:") else cfg.train_size
     fields = {"id_field": cfg.id_field, "problem_field": cfg.problem_field, "answer_field": cfg.answer_field}
@@ -794,6 +798,16 @@ def load_rows(cfg: Config) -> tuple[list[dict], list[dict], collections.Counter]
     eval_spec = cfg.eval_dataset or (cfg.dataset if cfg.dataset.startswith("synthetic:") else "")
     eval_rows = data.load_problems(eval_spec, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed, levels=levels,
                                    train_size=train_size, **fields)[0] if eval_spec and cfg.eval_every else []
+    twins = data.held_out_twins(train_rows, eval_rows)
+    if twins and cfg.eval_overlap == "refuse":
+        shown = ", ".join(f"{t} = {e} ({how})" for t, e, how in twins[:5])
+        raise SystemExit(f"--dataset {cfg.dataset}: {len(twins)} training problems are held-out problems of "
+                         f"{eval_spec} in other words: {shown}{' ...' if len(twins) > 5 else ''} "
+                         "(--eval-overlap drop trains without them)")
+    if twins:
+        dropped = {t for t, _, _ in twins}
+        train_rows = [r for r in train_rows if r["id"] not in dropped]
+        skipped["twin_of_held_out"] += len(dropped)
     return train_rows, eval_rows, skipped
 
 
@@ -846,7 +860,9 @@ def setup(cfg: Config) -> Run:
     tokenizer = models.load_tokenizer(cfg.model)
     train_rows = drop_long_prompts(train_rows, tokenizer, cfg, skipped)
     if skipped:
-        accelerator.print(f"skipped {sum(skipped.values())} bad rows of {cfg.dataset}: {dict(skipped)}")
+        twins = (" (twin_of_held_out: training problems that are held-out ones in other words; --eval-overlap "
+                 "refuse names them)") if skipped["twin_of_held_out"] else ""
+        accelerator.print(f"skipped {sum(skipped.values())} rows of {cfg.dataset}: {dict(skipped)}{twins}")
     if resume_from is None and rundir.unstarted_run(out_dir):
         accelerator.print(f"{out_dir} holds a run that stopped before its first checkpoint (nothing to resume): "
                           "starting it again in its place")
@@ -1090,7 +1106,8 @@ def train(run: Run) -> ExperiencePool:
         bad_in_row = stop_after_bad_updates(bad_in_row, update_stats, step, run)
 
         # 6. remember every trial of every process: the pool feeds reflection and abstraction later
-        trials = distributed.gather([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, rew, step + 1)
+        trials = distributed.gather([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, rew, step + 1,
+                                           data.content_key(prob))
                                      for prob, p, c, rew in zip(problems, rollout_prompts, completions,
                                                                 rewards.tolist())])
         with run.embedding_weights():

@@ -3,9 +3,10 @@ response, reward, step), with two queries that LANPO's feedback is built from:
 
 - `attempts(problem_id, k, kind)`: the model's own earlier responses to a problem, newest first, of one kind
   or any (reflection);
-- `similar(problem_text, k, exclude_id)`: other problems, ranked by a retriever (abstraction). A problem
-  whose text is the query's (`data.problem_key`: up to whitespace and LaTeX spacing) is never offered, under
-  any id: a twin's solution would carry the query's answer into its prompt.
+- `similar(problem_text, k, exclude_id, content_key)`: other problems, ranked by a retriever (abstraction).
+  A twin of the query is never offered, under any id: a problem with its text up to layout (`data.twin_text`)
+  or, for generated problems, its operands and answer (`data.content_key`: "2 + 2" twins "2 * 2"). A twin's
+  solution would carry the query's answer into its prompt.
 
 Memory is bounded: at most `max_per_problem` trials per problem (the oldest trial of that problem goes
 first) and at most `max_problems` problems (the problem whose newest trial is oldest goes first, with
@@ -26,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from data import problem_key
+from data import content_key, twin_keys
 
 KINDS = ("scratch", "reflect", "abstract")
 
@@ -40,6 +41,7 @@ class Trial:
     response: str
     reward: float
     step: int
+    content_key: str = ""  # data.content_key of the problem ("" for data files): its twins share it
 
 
 _TOKEN = re.compile(r"\\[a-zA-Z]+|[a-zA-Z]+|\d+|[^\sa-zA-Z\d]")
@@ -127,7 +129,7 @@ class ExperiencePool:
         self.index = index if index is not None else TfidfIndex()
         # problem_id -> its trials, oldest first; dict order = least recently updated problem first
         self.trials: OrderedDict[str, list[Trial]] = OrderedDict()
-        self.ids_by_key: dict[str, set[str]] = {}  # problem_key -> the ids of the problems with that text
+        self.ids_by_key: dict[str, set[str]] = {}  # twin key -> the ids of the problems with it
 
     def __len__(self) -> int:
         return sum(len(t) for t in self.trials.values())
@@ -141,20 +143,39 @@ class ExperiencePool:
             bucket.append(trial)
             del bucket[:-self.max_per_problem]
             self.index.add(trial.problem_id, trial.problem)
-            self.ids_by_key.setdefault(problem_key(trial.problem), set()).add(trial.problem_id)
+            for key in twin_keys(trial.problem, trial.content_key):
+                self.ids_by_key.setdefault(key, set()).add(trial.problem_id)
         while len(self.trials) > self.max_problems:
-            evicted, trials = self.trials.popitem(last=False)
-            self.index.remove(evicted)
-            self.ids_by_key[problem_key(trials[0].problem)].discard(evicted)
+            self.remove(next(iter(self.trials)))
+
+    def remove(self, problem_id: str) -> None:
+        """Forget a problem and all its trials."""
+        trials = self.trials.pop(problem_id)
+        self.index.remove(problem_id)
+        for key in twin_keys(trials[0].problem, trials[0].content_key):
+            self.ids_by_key[key].discard(problem_id)
+
+    def twins_of(self, rows: list[dict]) -> list[tuple[str, str]]:
+        """(pool problem id, row id) for each pool problem that is one of `rows` in other words (data.twin_keys)."""
+        owner = {key: row["id"] for row in rows for key in twin_keys(row["problem"], content_key(row))}
+        twins = []
+        for pid, trials in self.trials.items():
+            hit = next((owner[k] for k in twin_keys(trials[0].problem, trials[0].content_key) if k in owner), None)
+            if hit is not None:
+                twins.append((pid, hit))
+        return twins
 
     def attempts(self, problem_id: str, k: int, kind: str | None = None) -> list[Trial]:
         """The k newest trials on this problem (of this kind, when given), newest first."""
         return [t for t in self.trials.get(problem_id, [])[::-1] if kind in (None, t.kind)][:k]
 
-    def similar(self, problem_text: str, k: int, exclude_id: str | None = None) -> list[tuple[float, list[Trial]]]:
+    def similar(self, problem_text: str, k: int, exclude_id: str | None = None,
+                content_key: str = "") -> list[tuple[float, list[Trial]]]:
         """Up to k other problems most similar to `problem_text`, best first, each as (score, its trials
-        newest first). Neither `exclude_id` nor a problem with the query's text (any id) is offered."""
-        exclude = set(self.ids_by_key.get(problem_key(problem_text), ())) | ({exclude_id} - {None})
+        newest first). Neither `exclude_id` nor a twin of the query (its text up to layout, or its
+        `content_key`; any id) is offered."""
+        exclude = {pid for key in twin_keys(problem_text, content_key) for pid in self.ids_by_key.get(key, ())}
+        exclude |= {exclude_id} - {None}
         hits = self.index.query(problem_text, k, exclude)
         return [(score, self.trials[pid][::-1]) for pid, score in hits]
 

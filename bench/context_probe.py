@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import abstract  # noqa: E402
 import cpu  # noqa: E402
+import data  # noqa: E402
 import lanpo  # noqa: E402
 import math_grader  # noqa: E402
 import models  # noqa: E402
@@ -68,14 +69,15 @@ def make_pool(kind: str, model, tokenizer, rows: list[dict], cfg, eos_ids: list[
     pool = ExperiencePool(max_per_problem=max(8, samples))
     if kind == "gold":
         solutions = [r.get("solution", f"The answer is \\boxed{{{r['answer']}}}.") for r in rows]
-        pool.add([Trial(r["id"], r["problem"], "scratch", "", text, 1.0, 1) for r, text in zip(rows, solutions)])
+        pool.add([Trial(r["id"], r["problem"], "scratch", "", text, 1.0, 1, data.content_key(r))
+                  for r, text in zip(rows, solutions)])
     elif kind == "sampled":
         texts = [prompts.render_prompt(tokenizer, prompts.problem_request(r["problem"]), cfg.one_shot) for r in rows]
         outs = generate_completions(model, tokenizer, [t for t in texts for _ in range(samples)], eos_ids=eos_ids,
                                     max_new_tokens=cfg.max_new_tokens, temperature=1.0, batch_size=cfg.gen_batch,
                                     share_prefill=cfg.share_prefill, progress="pool: attempts at training problems")
         pool.add([Trial(r["id"], r["problem"], "scratch", "", o.text,
-                        math_grader.grade(o.text, r["answer"], truncated=o.truncated), 1)
+                        math_grader.grade(o.text, r["answer"], truncated=o.truncated), 1, data.content_key(r))
                   for i, r in enumerate(rows) for o in outs[i * samples:(i + 1) * samples]])
     else:
         pool.load(kind)
@@ -95,7 +97,7 @@ def pick_experiences(row: dict, pool: ExperiencePool, shown: dict[str, Trial], f
     K when there are no families), most similar first, and for each one an unrelated problem's trial of the
     nearest length (problem and shown response, in characters), none used twice."""
     ranked = [shown[trials[0].problem_id] for _, trials in pool.similar(row["problem"], len(pool.trials),
-                                                                        exclude_id=row["id"])]
+                                                                        row["id"], data.content_key(row))]
     own = family_of(row)
     if own is None:
         relevant, others = ranked[:k], ranked[len(ranked) // 2:]  # unrelated: the less similar half
@@ -136,7 +138,7 @@ def judge_report(model, tokenizer, rows: list[dict], pool: ExperiencePool, shown
     share of the problem's family among them, acceptance, precision and recall at gamma, score quantiles."""
     pairs, same = {"experience": [], "problem": []}, []
     for row in rows:
-        for _, trials in pool.similar(row["problem"], cfg.abstract_candidates, exclude_id=row["id"]):
+        for _, trials in pool.similar(row["problem"], cfg.abstract_candidates, row["id"], data.content_key(row)):
             t = shown[trials[0].problem_id]
             pairs["experience"].append(prompts.relevance_request(row["problem"], t.problem, t.response))
             pairs["problem"].append(prompts.relevance_request(row["problem"], t.problem, None))

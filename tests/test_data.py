@@ -48,12 +48,14 @@ def test_synthetic_splits_are_distinct_by_content_not_just_text(seed):
 
 
 def test_synthetic_levels_that_run_out_are_no_longer_drawn():
-    big = data.synthetic_arith("train", 400, seed=0, levels=[1, 2])  # level 1: 90 distinct sums and products
-    assert sum(r["level"] == 1 for r in big) == 90 and len({arithmetic(r["problem"]) for r in big}) == 400
+    # level 1: 45 sums and 45 products of 1-9, less 2 * 2 (2 + 2's operands and answer) and 2 + 5 (the worked
+    # example every prompt shows): 88 distinct problems
+    big = data.synthetic_arith("train", 400, seed=0, levels=[1, 2])
+    assert sum(r["level"] == 1 for r in big) == 88 and len({arithmetic(r["problem"]) for r in big}) == 400
     with pytest.raises(SystemExit, match="unseen in training at levels"):
-        data.synthetic_arith("test", 10, seed=0, levels=[1], train_size=90)  # every level-1 problem trained on
+        data.synthetic_arith("test", 10, seed=0, levels=[1], train_size=88)  # every level-1 problem trained on
     with pytest.raises(SystemExit, match="distinct train problems"):
-        data.synthetic_arith("train", 91, seed=0, levels=[1])
+        data.synthetic_arith("train", 89, seed=0, levels=[1])
     with pytest.raises(SystemExit, match="levels 1-6"):
         data.synthetic_arith("train", 10, seed=0, levels=[7])
 
@@ -181,3 +183,76 @@ def test_broken_files_are_named(tmp_path):
     everything_bad.write_text(json.dumps({"problem": "", "answer": ""}) + "\n")
     with pytest.raises(SystemExit, match="no usable rows"):
         data.load_problems(str(everything_bad), "train", skip_bad=True)
+
+
+def test_content_key_is_operands_and_answer():
+    def row(content, answer):
+        return {"problem": "p", "answer": answer, "content": content}
+    assert data.content_key(row("+ 2 2", "4")) == data.content_key(row("* 2 2", "4")) == "2 2 = 4"
+    assert data.content_key(row("+ 5 23", "28")) == "5 23 = 28" != data.content_key(row("* 5 23", "115"))
+    assert data.content_key(row("* 2 3 + 4", "10")) == data.content_key(row("+ 4 3 2", "10")) == "2 3 4 = 10"
+    assert data.content_key({"problem": "p", "answer": "1"}) == ""  # a data file's row: its text is its key
+    assert data.ONE_SHOT_KEY == "2 5 = 7"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_generated_problem_is_the_worked_example_or_another_in_other_words(seed):
+    """Every prompt shows "What is 2 + 5? ... \\boxed{7}": no split of any level mix holds 2 + 5 or 5 + 2 in
+    any wording; no two problems of a split, and no held-out and training problem, share operands and answer."""
+    for levels in ([1], [1, 2, 3], [1, 2, 3, 4, 5, 6]):
+        train = data.synthetic_arith("train", 48 if levels != [1] else 88, seed=seed, levels=levels)
+        test = data.synthetic_arith("test", 64 if levels != [1] else 0, seed=seed, levels=levels,
+                                    train_size=len(train))
+        for split in (train, test):
+            keys = [data.content_key(r) for r in split]
+            assert len(set(keys)) == len(keys) and data.ONE_SHOT_KEY not in keys
+            assert ("+", (2, 5)) not in {arithmetic(r["problem"]) for r in split}
+        assert not {data.content_key(r) for r in train} & {data.content_key(r) for r in test}
+
+
+REWORDED = "If $x$, $y$, and $z$ are positive with $xy={}$, $xz = 48$, and $yz=72$, what is the value of $x+y+z$?"
+
+
+def test_held_out_twins_by_text_by_content_and_reworded():
+    train = [{"id": "t1", "problem": "Find $x+y$ if $xy=24$.", "answer": "10"},           # layout only
+             {"id": "t2", "problem": "What is 2 + 2?", "answer": "4", "content": "+ 2 2"},  # same operands, answer
+             {"id": "t3", "problem": REWORDED.format(24), "answer": "22"},  # reworded (math_train-0390)
+             {"id": "t4", "problem": REWORDED.format(25), "answer": "22"},  # other numbers
+             {"id": "t5", "problem": REWORDED.format(24), "answer": "23"}]  # other answer
+    held = [{"id": "e1", "problem": "find x + y if xy = 24", "answer": "10"},
+            {"id": "e2", "problem": "Compute 2 * 2.", "answer": "4", "content": "* 2 2"},
+            {"id": "e3", "problem": "If $x$, $y$, and $z$ are positive with $xy = 24$, $xz = 48$, and $yz = 72$, "
+                                    "then find $x + y + z.$", "answer": "22"}]  # math500-0238
+    assert data.held_out_twins(train, held) == [("t1", "e1", "same text"), ("t2", "e2", "same content"),
+                                                ("t3", "e3", "reworded")]
+
+
+def test_shipped_training_and_held_out_files_share_the_listed_twins():
+    """data/README.md lists these: MATH-500 holds 5 problems of math_train in other words, the MATH test split 27."""
+    train = data.load_problems("math_train", "train", skip_bad=True)[0]
+    found = {name: data.held_out_twins(train, data.load_problems(name, "test")[0])
+             for name in ("math500", "math", "aime24", "aime25", "amc23")}
+    assert [len(found[name]) for name in found] == [5, 27, 0, 0, 0]
+    assert ("math_train-0390", "math500-0238", "reworded") in found["math500"]
+    assert ("math_train-0307", "math_test-0261", "same text") in found["math"]
+    gsm = data.held_out_twins(data.load_problems("gsm8k_train", "train")[0], data.load_problems("gsm8k", "test")[0])
+    assert gsm == []
+
+
+def test_training_drops_or_refuses_problems_that_are_held_out_ones(tmp_path):
+    import lanpo
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "t1", "problem": "Find $x$ if $2x = 10$.", "answer": "5"},
+        {"id": "t2", "problem": "What is 3 + 4?", "answer": "7"},
+        {"id": "t3", "problem": "Find $x$ if $3x = 12$.", "answer": "4"}]))
+    held.write_text(json.dumps({"id": "e1", "problem": "find x if 2x = 10", "answer": "5"}) + "\n")
+    cfg = lanpo.Config(dataset=str(train), eval_dataset=str(held))
+    rows, _, skipped = lanpo.load_rows(cfg)
+    assert [r["id"] for r in rows] == ["t2", "t3"] and skipped["twin_of_held_out"] == 1
+    with pytest.raises(SystemExit, match=r"1 training problems are held-out problems .* t1 = e1 \(same text\)"):
+        lanpo.load_rows(lanpo.Config(dataset=str(train), eval_dataset=str(held), eval_overlap="refuse"))
+    # the README's MATH recipe: 5 of MATH-500's problems are in math_train in other words
+    _, _, skipped = lanpo.load_rows(lanpo.Config(dataset="math_train", skip_bad_rows=True, eval_dataset="math500",
+                                                 eval_size=0))
+    assert skipped == {"duplicate_problem": 2, "twin_of_held_out": 5}

@@ -90,8 +90,8 @@ def test_cli_writes_summary_table_and_per_problem_file(tiny_model_dir, tmp_path)
 
 
 def test_abstract_mode_uses_a_training_pool(tiny_model_dir, tmp_path):
-    pool = ExperiencePool()
-    pool.add([Trial(f"t{i}", f"What is {i} + 2?", "scratch", "", f"{i} + 2 = {i + 2}", 1.0, 1) for i in range(5)])
+    pool = ExperiencePool()  # no pool problem is a benchmark one ("What is i + 1?") in any order
+    pool.add([Trial(f"t{i}", f"What is {i} + 20?", "scratch", "", f"{i} + 20 = {i + 20}", 1.0, 1) for i in range(5)])
     pool.save(tmp_path / "pool.jsonl")
     results = evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", str(_bench(tmp_path)), "--mode",
                              "abstract", "--pool", str(tmp_path / "pool.jsonl"), "--relevance-threshold", "0",
@@ -305,3 +305,21 @@ def test_a_cut_response_is_graded_as_cut_in_evaluation():
     whole = Completion(text="The answer is 15", prompt_ids=[1], completion_ids=[2, 3], truncated=False)
     record = scoring._record({"id": "p", "problem": "What is 10 + 5?", "answer": "15"}, "prompt", [cut, whole])
     assert record["verdicts"] == [0.0, 1.0] and record["answers"] == [None, "15"]
+
+
+def test_pool_problems_that_are_evaluated_ones_are_reported_and_dropped(tmp_path, capsys):
+    """A pool of seed 0's training problems, evaluated on seed 1's held-out problems: the seeds' splits are
+    not disjoint, so some pool problems are evaluated ones in other words (operands and answer), and a file
+    pool can hold an evaluated problem's text. Each is dropped and named before any model loads."""
+    import data
+    rows = data.synthetic_arith("test", 256, seed=1, levels=[1, 2, 3], train_size=48)
+    train = data.synthetic_arith("train", 400, seed=0, levels=[1, 2, 3])
+    pool = ExperiencePool(max_problems=1000)
+    pool.add([Trial(r["id"], r["problem"], "scratch", "", r["answer"], 1.0, 1, data.content_key(r)) for r in train])
+    pool.add([Trial("file-1", rows[0]["problem"].replace(" ", "  "), "scratch", "", "x", 0.0, 1)])
+    keys = {data.content_key(r) for r in rows}
+    expected = {r["id"] for r in train if data.content_key(r) in keys} | {"file-1"}
+    assert len(expected) > 5
+    twins = evaluate.drop_pool_twins(pool, {"synthetic:arith": rows})
+    assert {p for p, _ in twins} == expected and not expected & set(pool.trials)
+    assert f"dropped {len(expected)} pool problems" in capsys.readouterr().out

@@ -73,6 +73,25 @@ def test_similar_never_offers_a_problem_with_the_querys_text():
     pool.add([trial("d", "x"), trial("e", "y")])  # evicts self and twin
     pool.add([trial("twin2", "What is $2+3$?")])
     assert [ts[0].problem_id for _, ts in pool.similar("What is $2 + 4$?", 5, exclude_id="other")] == ["twin2"]
+    # up to layout: case, $, braces, \\left/\\right and punctuation
+    pool = ExperiencePool()
+    pool.add([trial("layout", "what is {2+3}"), trial("other", "What is $2 + 4$?")])
+    assert [ts[0].problem_id for _, ts in pool.similar("What is $2 + 3$?", 5)] == ["other"]
+
+
+def test_similar_never_offers_a_problem_with_the_querys_operands_and_answer():
+    """Generated problems carry a content key: "What is 2 * 2?" twins "What is 2 + 2?" (one shows the other's
+    answer), and "Ana has 5 ... gets 23 more" twins "What is 23 + 5?"; each is excluded under any id, and it
+    leaves the twin index with its problem."""
+    pool = ExperiencePool(max_problems=3)
+    pool.add([Trial("a", "What is 2 * 2?", "scratch", "", "4", 1.0, 1, "2 2 = 4"),
+              Trial("b", "Ana has 5 coins and gets 23 more. How many coins?", "scratch", "", "28", 1.0, 1, "5 23 = 28"),
+              Trial("c", "What is 2 * 3?", "scratch", "", "6", 1.0, 1, "2 3 = 6")])
+    assert [ts[0].problem_id for _, ts in pool.similar("What is 2 + 2?", 5)] == ["a", "c", "b"]  # no key: text only
+    assert [ts[0].problem_id for _, ts in pool.similar("What is 2 + 2?", 5, content_key="2 2 = 4")] == ["c", "b"]
+    assert "b" not in [ts[0].problem_id for _, ts in pool.similar("What is 23 + 5?", 5, content_key="5 23 = 28")]
+    pool.remove("a")
+    assert "a" not in pool.trials and all("a" not in ids for ids in pool.ids_by_key.values())
 
 
 def test_tfidf_is_incremental_equal_to_rebuild():
@@ -192,11 +211,15 @@ def test_pool_save_load_round_trip(tmp_path):
               for i in range(10)])
     pool.save(tmp_path / "pool.jsonl")
     first = json.loads((tmp_path / "pool.jsonl").read_text().splitlines()[0])
-    assert set(first) == {"problem_id", "problem", "kind", "context", "response", "reward", "step"}
+    assert set(first) == {"problem_id", "problem", "kind", "context", "response", "reward", "step", "content_key"}
     again = ExperiencePool(max_per_problem=2, max_problems=3)
     again.load(tmp_path / "pool.jsonl")
     assert again.trials == pool.trials and list(again.trials) == list(pool.trials)
     assert again.similar("problem 1", 2) == pool.similar("problem 1", 2)
+    older = tmp_path / "older.jsonl"  # a pool saved before trials carried content keys loads with none
+    older.write_text(json.dumps({k: v for k, v in first.items() if k != "content_key"}) + "\n")
+    again.load(older)
+    assert next(iter(again.trials.values()))[0].content_key == ""
     (tmp_path / "bad.jsonl").write_text('{"problem_id": "x"}\n')
     with pytest.raises(SystemExit, match="line 1 is not a pool trial"):
         again.load(tmp_path / "bad.jsonl")
@@ -385,24 +408,31 @@ def test_shared_relevance_scores_equal_plain_ones(tiny, batch_size):
         abstract.relevance_scores(model, tokenizer, pairs, share_prefix=True)
 
 
-def test_no_candidate_shares_the_querys_arithmetic_in_the_no_filter_ablation(tiny):
-    """The default run's training problems (synthetic:arith, seed 0, 48 problems), every one tried once, then
-    the no-filter ablation (gamma 0) retrieves K = 3 candidates for each: none may be the same arithmetic in
-    other words (its correct solution would show the answer). Before problems were unique by content, seed 0
-    held one text twice under two ids and pairs like "What is 23 + 5?" / "Tom has 23 apples and gets 5 more"."""
-    from test_data import arithmetic
-
+def test_no_candidate_is_the_query_in_other_words_in_the_no_filter_ablation(tiny):
+    """Problems built with twins on purpose: each has a twin of the same operands and answer in other words
+    ("What is 23 + 5?" / "Tom has 5 apples and gets 23 more ..." / "2 + 2" and "2 * 2"), and the pool holds
+    every one with a correct solution. The no-filter ablation (gamma 0) retrieves K = 3 candidates for each:
+    a twin would show the answer, so none may be one; without the content key the retriever does rank them."""
     import data
 
     model, tokenizer = tiny
-    rows = data.synthetic_arith("train", 48, seed=0, levels=[1, 2, 3])
+    rows = []
+    for i, (a, b) in enumerate([(23, 5), (2, 2), (31, 8), (14, 6), (40, 9), (3, 3)]):
+        rows.append({"id": f"q{i}", "problem": f"What is {a} + {b}?", "answer": str(a + b), "content": f"+ {a} {b}"})
+        other = (f"Tom has {b} apples and gets {a} more. How many apples does Tom have now?", a + b, f"+ {a} {b}") \
+            if a != b else (f"What is {a} * {b}?", a * b, f"* {a} {b}")
+        rows.append({"id": f"t{i}", "problem": other[0], "answer": str(other[1]), "content": other[2]})
+    key = {r["id"]: data.content_key(r) for r in rows}
     pool = ExperiencePool()
-    pool.add([trial(r["id"], r["problem"], f"\\boxed{{{r['answer']}}}", 1.0) for r in rows])
+    pool.add([Trial(r["id"], r["problem"], "scratch", "", f"\\boxed{{{r['answer']}}}", 1.0, 1, key[r["id"]])
+              for r in rows])
+    unfiltered = [(r["id"], ts[0].problem_id) for r in rows for _, ts in pool.similar(r["problem"], 3, r["id"])]
+    assert sum(key[a] == key[b] for a, b in unfiltered) >= 2  # text alone lets twins through: the test can fail
     pending = abstract.prepare_lessons(model, tokenizer, pool, rows, {}, 1, lanpo.Config(
         abstract_candidates=3, relevance_threshold=0.0, abstract_mode="raw", abstract_refresh=1, attempt_tokens=64))
-    assert pending.stats.candidates == 48 * 3
-    twins = [(p["problem"], t.problem) for (p, _), kept in zip(pending.todo, pending.kept) for t in kept
-             if arithmetic(t.problem) == arithmetic(p["problem"])]
+    assert pending.stats.candidates == len(rows) * 3
+    twins = [(p["id"], t.problem_id) for (p, _), kept in zip(pending.todo, pending.kept) for t in kept
+             if key[t.problem_id] == key[p["id"]]]
     assert twins == []
 
 
