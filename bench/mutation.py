@@ -1,5 +1,6 @@
-"""Mutation score of the modules the method's correctness rests on (grpo.py, forwards.py, reflect.py, pool.py,
-distill.py, prompts.py), measured with mutmut: each mutant changes one operator, constant, argument or string, and runs
+"""Mutation score of the modules the method's correctness and its claims rest on (grpo.py, forwards.py, reflect.py,
+pool.py, distill.py, prompts.py; data.py, scoring.py, abstract.py, update.py, math_grader.py, stats.py), measured
+with mutmut: each mutant changes one operator, constant, argument or string, and runs
 against the tests that reach the mutated function; a mutant that no test notices has survived. Prints, per
 module, the mutants, how many the tests killed and the score (killed, or timed out, over all), writes the
 survivors' names to --out (`mutmut show NAME` in --work prints a survivor's diff).
@@ -8,7 +9,7 @@ The tests are the unit tests: those that train or evaluate a whole run (they tak
 are left out, so a mutant is judged in seconds; a mutant only a whole run reaches counts as not killed here.
 
     pip install mutmut==3.8.1           # benchmark-only dependency
-    python bench/mutation.py            # all six modules; over an hour on 2 cores
+    python bench/mutation.py            # all twelve modules
     python bench/mutation.py --modules reflect.py pool.py
 
 It works in a copy of the repository under --work (mutmut writes its config and mutants/ there): the checkout
@@ -27,9 +28,12 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["grpo.py", "forwards.py", "reflect.py", "pool.py", "distill.py", "prompts.py"]
+MODULES = ["grpo.py", "forwards.py", "reflect.py", "pool.py", "distill.py", "prompts.py",
+           "data.py", "scoring.py", "abstract.py", "update.py", "math_grader.py", "stats.py"]
 TESTS = ["tests/test_grpo.py", "tests/test_lanpo.py", "tests/test_prompts.py", "tests/test_distill.py",
-         "tests/test_train.py", "tests/test_evaluate.py", "tests/test_data.py", "tests/test_rollout.py"]
+         "tests/test_train.py", "tests/test_evaluate.py", "tests/test_data.py", "tests/test_rollout.py",
+         "tests/test_grader.py", "tests/test_stats.py", "tests/test_rules.py", "tests/test_reward.py",
+         "tests/test_first_hour.py", "tests/test_context_probe.py"]
 UNIT_ONLY = '''"""pytest plugin of bench/mutation.py: leave out the tests that train or evaluate a whole run (those
 that take the tiny model's directory themselves; the in-memory model `tiny` is fine)."""
 import inspect

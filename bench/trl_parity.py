@@ -9,14 +9,15 @@ clip 1; one policy epoch, clip 0.2, beta = 0; the `grpo` loss with group-std adv
 each framework's own code, and the sampling RNG stream.
 
 Step s of both runs of a seed grades rollouts of the same B problems, so the per-step mean rewards are
-paired: the report gives ours - TRL over all steps, and over the second half (after some learning), with
-a 95 % two-level bootstrap interval (seeds, then steps), and each side's first-step reward (the same
-model on the same prompts: equal up to sampling noise if prompts and grading match). The curves go to one
+paired: the report gives ours - TRL over all steps, and over the second half (after some learning): each
+seed's mean paired difference, then the 95 % t interval over seeds (stats.paired_seed_difference; seeds are
+the independent units), and each side's first-step reward (the same model on the same prompts: equal up to
+sampling noise if prompts and grading match), also over seeds. The curves go to one
 PNG through plot.py (mean over seeds, min..max band).
 
     pip install trl                      # benchmark-only dependency (1.16.0 measured)
     python bench/trl_parity.py           # 3 seeds x 10 steps each side, B=8, G=4, lr 2e-5 (about 1 h on 2 cores)
-    python bench/trl_parity.py --seeds 0 --steps 2   # smoke run
+    python bench/trl_parity.py --seeds 0 1 --steps 2   # smoke run
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("--out-dir", default="runs/bench/trl_parity",
                     help="runs, results.json and curves.png; a seed whose two runs are there is not rerun")
     args = ap.parse_args()
+    if len(set(args.seeds)) < 2:
+        raise SystemExit(f"--seeds {' '.join(map(str, args.seeds))}: the interval is over seeds; give at least 2")
 
     import models
     import stats
@@ -100,11 +103,12 @@ def main() -> None:
     half = args.steps // 2
     summary = {
         "config": vars(args), "curves": curves,
-        "all_steps": stats.paired_difference(curves["lanpo"], curves["trl"]),
-        "second_half": stats.paired_difference([c[half:] for c in curves["lanpo"]],
-                                               [c[half:] for c in curves["trl"]]),
-        "first_step": {side: stats.interval([[c[0] for c in curves[side]]]) for side in curves},
-        "lanpo_mean": stats.interval(curves["lanpo"]), "trl_mean": stats.interval(curves["trl"]),
+        "all_steps": stats.paired_seed_difference(curves["lanpo"], curves["trl"]),
+        "second_half": stats.paired_seed_difference([c[half:] for c in curves["lanpo"]],
+                                                    [c[half:] for c in curves["trl"]]),
+        "first_step": {side: stats.seed_interval([c[0] for c in curves[side]]) for side in curves},
+        "lanpo_mean": stats.seed_interval([sum(c) / len(c) for c in curves["lanpo"]]),
+        "trl_mean": stats.seed_interval([sum(c) / len(c) for c in curves["trl"]]),
     }
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     print(f"{len(args.seeds)} seeds x {args.steps} steps, B={args.batch_problems} G={args.group_size}, "
@@ -116,7 +120,8 @@ def main() -> None:
           f"TRL {stats.fmt(*summary['trl_mean'])}")
     for key, label in (("all_steps", "all steps"), ("second_half", f"steps {half + 1}-{args.steps}")):
         d = summary[key]
-        print(f"  lanpo - TRL, {label}: {stats.fmt_diff(d)} (paired by seed and step, p {d['p']:.2f})")
+        print(f"  lanpo - TRL, {label}: {stats.fmt_diff(d)} (t over {len(args.seeds)} seeds of paired step means, "
+              f"p {d['p']:.2f}; per seed " + ", ".join(f"{x:+.3f}" for x in d["per_seed"]) + ")")
     import plot
 
     png = plot.plot({"lanpo GRPO": [read_jsonl(out / f"lanpo/seed{s}/metrics.jsonl") for s in args.seeds],

@@ -46,9 +46,11 @@ dataset = Dataset.from_list([{{"prompt": shot + [{{"role": "user", "content": pr
                               "answer": r["answer"], "id": r["id"]}} for r in rows])
 
 seen_ids = []  # problem ids of each step's groups, in order (one entry per rollout)
-def reward(completions, answer, id, **kwargs):
+def reward(completions, answer, id, completion_ids, **kwargs):
     seen_ids.append(list(id))
-    return [math_grader.grade(c[0]["content"], a) for c, a in zip(completions, answer)]
+    # cut at the limit without an EOS, as lanpo's sampler flags it: the grader reads no answer the cut shortened
+    cut = [len(ids) >= args["max_new_tokens"] and ids[-1] not in trainer.eos_token_ids for ids in completion_ids]
+    return [math_grader.grade(c[0]["content"], a, truncated=t) for c, a, t in zip(completions, answer, cut)]
 
 times, records = [], []
 class Recorder(TrainerCallback):

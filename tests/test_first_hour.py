@@ -180,8 +180,9 @@ def test_csv_files_load_and_columns_come_from_every_row(tmp_path):
 
 
 def test_benchmark_names_work_for_training_too():
-    rows, _ = data.load_problems("gsm8k", "train", size=5)
+    rows, _ = data.load_problems("gsm8k_train", "train", size=5)  # the train split's file, by its name
     assert len(rows) == 5 and all(r["answer"] for r in rows)
+    assert [r["id"] for r in rows] == [f"gsm8k_train-{i:04d}" for i in range(1, 6)]
 
 
 def _one_line_failure(args: list[str], env_extra: dict, tmp_path) -> str:

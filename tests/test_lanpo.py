@@ -2,7 +2,6 @@
 
 import copy
 import dataclasses
-import inspect
 import json
 import math
 import re
@@ -227,9 +226,35 @@ def test_pool_save_load_round_trip(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ reflection
 
-def test_reflection_builder_cannot_take_labels():
-    params = set(inspect.signature(prompts.reflection_request).parameters)
-    assert params == {"problem", "attempts"}
+@settings(max_examples=50, deadline=None)
+@given(gold=st.from_regex(r"GOLD[0-9]{6}", fullmatch=True), rewards=st.lists(st.sampled_from([0.0, 1.0]), min_size=3,
+                                                                         max_size=3),
+       steps=st.lists(st.integers(1, 9), min_size=3, max_size=3))
+def test_every_training_prompt_is_blind_to_labels(tiny, gold, rewards, steps):
+    """The prompts training builds for a problem (scratch, reflection on its earlier attempts, principles) are
+    byte-identical whatever the problem's gold answer and its attempts' rewards and steps, and never hold the
+    gold answer (a sentinel no text here contains, so the check always runs). Fails on a builder that passes
+    rewards or the gold answer on (the leaky ablations, checked last)."""
+    _, tokenizer = tiny
+    cfg = lanpo.parse_config(["--group-size", "6", "--feedback", "both", "--feedback-ratio", "0.67",
+                              "--reflect-attempts", "3", "--reflect-source", "any"])
+    pool = ExperiencePool()
+    pool.add([trial("p1", "What is 3 + 4?", f"attempt {i}: 3 + 4 = {6 + i}", r, s) for i, (r, s) in
+              enumerate(zip(rewards, sorted(steps)))])
+    lessons = {"p1": "Add the two numbers."}
+    built = [p.text for p in lanpo.build_prompts(tokenizer, [{"id": "p1", "problem": "What is 3 + 4?",
+                                                               "answer": gold}], pool, lessons, cfg)]
+    blind = ExperiencePool()
+    blind.add([trial("p1", "What is 3 + 4?", f"attempt {i}: 3 + 4 = {6 + i}", 0.0, s) for i, s in
+               enumerate(sorted(steps))])
+    again = [p.text for p in lanpo.build_prompts(tokenizer, [{"id": "p1", "problem": "What is 3 + 4?",
+                                                               "answer": "0"}], blind, lessons, cfg)]
+    assert built == again and not any(gold in text for text in built)
+    assert any("Earlier attempt 1" in t for t in built) and any("general principles" in t for t in built)
+    for mode, leak in (("with-reward", "This attempt was"), ("with-gold", gold)):
+        leaky = lanpo.build_prompts(tokenizer, [{"id": "p1", "problem": "What is 3 + 4?", "answer": gold}], pool,
+                                    lessons, dataclasses.replace(cfg, reflect_mode=mode))
+        assert any(leak in p.text for p in leaky)
 
 
 text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60)
@@ -240,14 +265,16 @@ text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",))
        gold=st.from_regex(r"-?\d{1,6}|\\frac\{\d+\}\{\d+\}|\\text\{\([A-E]\)\}|\\sqrt\{\d+\}", fullmatch=True),
        rewards=st.lists(st.sampled_from([0.0, 1.0]), min_size=3, max_size=3))
 def test_reflection_prompt_leaks_no_label(problem, attempts, gold, rewards):
+    """The request is the problem and the attempts in our fixed wording, which carries no verdict: nothing else
+    enters it (so no reward or gold answer can)."""
     request = prompts.reflection_request(problem, attempts)
-    template = request
-    for piece in [problem, *attempts]:
-        template = template.replace(piece, "", 1) if piece else template
-    assert not LABEL_WORDS.search(template), template  # our own wording carries no verdict
-    # a gold answer found nowhere in the inputs or in our wording (e.g. "1" of "Earlier attempt 1") is not in it
-    if gold not in problem and not any(gold in a for a in attempts) and gold not in template:
-        assert gold not in request
+    block = f"Earlier attempt:\n{attempts[0]}" if len(attempts) == 1 else "\n\n".join(
+        f"Earlier attempt {i}:\n{a}" for i, a in enumerate(attempts, 1))
+    wording = request.removeprefix(f"Problem: {problem}\n\n{block}\n\n")
+    assert wording in {f"The earlier {noun} above may or may not contain mistakes. Check every step critically, "
+                       f"then solve the problem yourself from the beginning.\n{prompts.FORMAT_INSTRUCTION}"
+                       for noun in ("attempt", "attempts")}
+    assert not LABEL_WORDS.search(wording), wording  # our own wording carries no verdict
     leaky = prompts.leaky_reflection_request(problem, attempts, "with-reward", rewards[:len(attempts)], gold)
     assert re.search(r"\b(in)?correct\b", leaky)  # the ablation does leak: it exists to be measured
 
@@ -676,3 +703,18 @@ def test_final_weights_share_the_last_checkpoints_file_and_a_longer_run_never_wr
     assert hashlib.sha256(saved.read_bytes()).hexdigest() == digest  # step 2's weights are still step 2's
     assert final.stat().st_ino == (run / "checkpoints" / "step-000003" / "model.safetensors").stat().st_ino
     assert final.read_bytes() != saved.read_bytes() and not (run / "final.tmp").exists()
+
+
+def test_kind_metrics_by_hand():
+    """Per-kind count, reward, accuracy, length and truncated share on a hand-made step: each kind's truncation
+    differs, so a metric read from another kind's rollouts fails."""
+    out = lanpo.kind_metrics(["scratch", "reflect", "scratch", "abstract", "reflect"],
+                             torch.tensor([1.0, 0.0, 0.0, 0.5, 1.0]), torch.tensor([10.0, 30.0, 20.0, 40.0, 50.0]),
+                             [False, True, False, True, False])
+    assert out == {"scratch/count": 2.0, "scratch/reward": 0.5, "scratch/accuracy": 0.5, "scratch/len": 15.0,
+                   "scratch/truncated": 0.0,
+                   "reflect/count": 2.0, "reflect/reward": 0.5, "reflect/accuracy": 0.5, "reflect/len": 40.0,
+                   "reflect/truncated": 0.5,
+                   "abstract/count": 1.0, "abstract/reward": 0.5, "abstract/accuracy": 0.0, "abstract/len": 40.0,
+                   "abstract/truncated": 1.0}
+    assert lanpo.kind_metrics(["scratch"], torch.tensor([1.0]), torch.tensor([3.0]), [True])["reflect/count"] == 0.0

@@ -17,7 +17,7 @@ import math_grader
 STEPS = 40
 
 
-def digit_share(response: str, gold: str, timeout: float = 5.0) -> float:
+def digit_share(response: str, gold: str, timeout: float = 5.0, truncated: bool = False) -> float:
     return sum(ch.isdigit() for ch in response) / max(len(response), 1)
 
 
@@ -43,6 +43,15 @@ def test_grpo_learns_under_each_loss_type(tiny_model_dir, tmp_path, monkeypatch,
 
 
 def test_lanpo_learns_with_feedback_both(tiny_model_dir, tmp_path, monkeypatch):
+    """As GRPO, and through feedback: both kinds of feedback rollout are made, take part in the groups, and
+    climb as the from-scratch ones do (fails on a run whose feedback never fires, or whose feedback rollouts
+    do not learn)."""
     monkeypatch.setattr(math_grader, "grade", digit_share)
     _assert_learns(_rewards(tiny_model_dir, tmp_path, "--feedback", "both", "--relevance-threshold", "0",
                             "--abstract-max-tokens", "8"))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for kind in ("reflect", "abstract"):
+        made = [r for r in records if r[f"{kind}/count"] > 0]
+        assert sum(r[f"{kind}/count"] for r in made) >= 40, kind
+        late = [r[f"{kind}/reward"] for r in made[-5:]]
+        assert sum(late) / len(late) > 0.8, (kind, late)

@@ -109,7 +109,8 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tiny_model_dir, tmp_pa
 
 
 def test_zero_advantage_groups_can_be_left_out(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(math_grader, "grade", lambda response, gold, timeout=5.0: 1.0)  # every group all-equal
+    # every group all-equal
+    monkeypatch.setattr(math_grader, "grade", lambda response, gold, timeout=5.0, truncated=False: 1.0)
     records = _run(tiny_model_dir, tmp_path / "run", "--drop-zero-adv-groups")
     assert all(r["zero_adv_group_frac"] == 1.0 and r["time_update"] == 0.0 and "grad_norm" not in r for r in records)
     before, after = _params(tiny_model_dir), _params(tmp_path / "run" / "final")

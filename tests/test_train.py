@@ -181,7 +181,7 @@ def test_overlong_prompts_stop_the_run_or_are_skipped(tiny_model_dir, tmp_path, 
         lanpo.main(lanpo.parse_config(common + ["--out-dir", str(tmp_path / "a")]))
     lanpo.main(lanpo.parse_config(common + ["--out-dir", str(tmp_path / "b"), "--skip-bad-rows"]))
     out = capsys.readouterr().out
-    assert "skipped 1 bad rows" in out and "'prompt_too_long': 1" in out
+    assert "skipped 1 rows" in out and "'prompt_too_long': 1" in out
 
 
 def test_bf16_mixed_precision_trains(tiny_model_dir, tmp_path, graded_by_parity):
