@@ -9,6 +9,10 @@ fields, with the same names, help and defaults: one definition. Evaluation's own
         --max-new-tokens 2048
     python evaluate.py --compare runs/eval/grpo runs/eval/lanpo   # A - B on the same problems, paired bootstrap
 
+Nothing evaluated was trained on: when --model is a run of lanpo.py (its directory, final/ or a checkpoint),
+the benchmark problems that are its training problems in other words (data.held_out_twins) are left out and
+named (--eval-overlap refuse stops instead); with --pool, pool problems that are evaluated ones are dropped.
+
 Outputs under --out-dir: summary.json, summary.md (every accuracy with its interval) and problems.jsonl
 (prompt, responses, extracted answers, verdicts per problem). Accuracy is the math grader's; with
 --reward module:function each response is also scored by that function (`rewards`, summary `reward`).
@@ -31,6 +35,7 @@ import data
 import lanpo
 import models
 import reward
+import rundir
 import scoring
 import stats
 from pool import EmbeddingIndex, ExperiencePool
@@ -132,6 +137,46 @@ def overall(per_bench: dict[str, tuple[list[dict], dict]], samples: int) -> dict
     return out
 
 
+def training_rows_of(model: str) -> tuple[Path, list[dict]] | None:
+    """(run directory, its training problems) when `model` is a run made by lanpo.py (the run directory, its
+    final/, or a checkpoint under it): the problems as the run loaded them, from its config.json. None otherwise."""
+    path = Path(model)
+    for run in (path, path.parent, path.parent.parent):
+        if (run / "config.json").is_file() and (run / "metrics.jsonl").is_file():
+            known = {f.name for f in dataclasses.fields(lanpo.Config)}
+            settings = {k: v for k, v in rundir.read_settings(run).items() if k in known}
+            try:
+                return run, lanpo.load_rows(lanpo.Config(**settings))[0]
+            except SystemExit as e:  # moved data: say why a run's data is read at all
+                raise SystemExit(f"{run / 'config.json'}: cannot load the run's training problems, which "
+                                 f"evaluation leaves out of the benchmarks: {e}") from None
+    return None
+
+
+def drop_training_twins(trained: tuple[Path, list[dict]], benchmarks: dict[str, list[dict]], refuse: bool) -> list:
+    """Leave out of each benchmark the problems that the evaluated run trained on in other words
+    (data.held_out_twins), saying how many; with `refuse`, stop instead and name them. Returns the
+    (training id, evaluated id, how) triples."""
+    run, train_rows = trained
+    found = []
+    for name, rows in benchmarks.items():
+        twins = data.held_out_twins(train_rows, rows)
+        if not twins:
+            continue
+        shown = ", ".join(f"{e} = {t} ({how})" for t, e, how in twins[:3]) + (" ..." if len(twins) > 3 else "")
+        if refuse:
+            raise SystemExit(f"{name}: {len(twins)} evaluated problems are training problems of {run} in other "
+                             f"words: {shown} (--eval-overlap drop leaves them out)")
+        seen = {e for _, e, _ in twins}
+        benchmarks[name] = [r for r in rows if r["id"] not in seen]
+        if not benchmarks[name]:
+            raise SystemExit(f"{name}: every evaluated problem is a training problem of {run} in other words: "
+                             "evaluate it on problems it did not train on")
+        print(f"{name}: left out {len(seen)} problems that {run} trained on in other words: {shown}")
+        found += twins
+    return found
+
+
 def drop_pool_twins(pool: ExperiencePool, benchmarks: dict[str, list[dict]], quiet: bool = False) -> list:
     """Remove from the pool every problem that is an evaluated one in other words (its text up to layout, or
     its operands and answer): its trials would show the evaluated problem's answer. Returns (pool id, evaluated
@@ -200,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                   args.synthetic_size, **fields)
                   for name in args.benchmarks}  # a file path is shown by its file name
     pool_twins = drop_pool_twins(pool, benchmarks) if pool is not None else []
+    trained = training_rows_of(args.model)
+    training_twins = drop_training_twins(trained, benchmarks, args.eval_overlap == "refuse") if trained else []
     models.check_available(args.model)
     rewarder = reward.Rewarder(args.reward, args.reward_timeout) if args.reward != reward.MATH else None
 
@@ -241,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
     if rewarder is not None:
         rewarder.close()
     (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": results,
-                                                      "pool_twins_dropped": pool_twins}, indent=2))
+                                                      "pool_twins_dropped": pool_twins,
+                                                      "training_twins_dropped": training_twins}, indent=2))
     table = markdown_table(results)
     (out_dir / "summary.md").write_text(table)
     print(table)

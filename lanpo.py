@@ -124,7 +124,8 @@ class Config:
     eval_split: str = _f("test", "split of the eval dataset")
     eval_overlap: str = _f("drop", "training problems that are a held-out problem in other words (the same text up "
                            "to layout, the same operands and answer, or reworded: data.held_out_twins): drop them "
-                           "and say how many, or refuse to start", choices=["drop", "refuse"])
+                           "and say how many, or refuse to start (evaluate.py: leave out, or refuse, the evaluated "
+                           "problems that the evaluated run trained on)", choices=["drop", "refuse"], evaluation=True)
     eval_size: int = _f(64, "eval problems (0 = all)")
     eval_every: int = _f(5, "evaluate every N steps and at the end (0 = never)")
     eval_at_start: bool = _f(True, "evaluate before the first step too: the run's baseline, so the end of the run "

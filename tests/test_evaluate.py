@@ -323,3 +323,33 @@ def test_pool_problems_that_are_evaluated_ones_are_reported_and_dropped(tmp_path
     twins = evaluate.drop_pool_twins(pool, {"synthetic:arith": rows})
     assert {p for p, _ in twins} == expected and not expected & set(pool.trials)
     assert f"dropped {len(expected)} pool problems" in capsys.readouterr().out
+
+
+def test_a_run_is_not_evaluated_on_problems_it_trained_on(tmp_path, capsys):
+    """A run trained on a file is evaluated on a benchmark holding two of its training problems in other words
+    (layout; reworded): both are left out and named, or with --eval-overlap refuse the evaluation stops. The
+    run's training problems come from its config.json (a run directory, its final/, or a checkpoint)."""
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "t1", "problem": "Find $x$ if $2x = 10$.", "answer": "5"},
+        {"id": "t2", "problem": "If $x$, $y$, and $z$ are positive with $xy=24$, $xz = 48$, and $yz=72$, what is "
+                                "the value of $x+y+z$?", "answer": "22"},
+        {"id": "t3", "problem": "What is 3 + 4?", "answer": "7"}]))
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"dataset": str(train), "eval_every": 0}))
+    (run / "metrics.jsonl").write_text("")
+    bench = [{"id": "b1", "problem": "find x if 2x = 10", "answer": "5"},
+             {"id": "b2", "problem": "If $x$, $y$, and $z$ are positive with $xy = 24$, $xz = 48$, and $yz = 72$, "
+                                    "then find $x + y + z.$", "answer": "22"},
+             {"id": "b3", "problem": "What is 4 + 4?", "answer": "8"}]
+    for model in (run, run / "final", run / "checkpoints" / "step-000002"):
+        found, rows = evaluate.training_rows_of(str(model))
+        assert found == run and [r["id"] for r in rows] == ["t1", "t2", "t3"]
+    assert evaluate.training_rows_of(str(tmp_path)) is None
+    benchmarks = {"bench": list(bench)}
+    twins = evaluate.drop_training_twins(evaluate.training_rows_of(str(run)), benchmarks, refuse=False)
+    assert twins == [("t1", "b1", "same text"), ("t2", "b2", "reworded")]
+    assert [r["id"] for r in benchmarks["bench"]] == ["b3"] and "left out 2 problems" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="2 evaluated problems are training problems"):
+        evaluate.drop_training_twins(evaluate.training_rows_of(str(run)), {"bench": list(bench)}, refuse=True)
