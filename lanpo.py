@@ -547,8 +547,15 @@ def update_batch(tokenizer, r: Rollouts, group_problems: list[dict], lessons: di
                        float(total["feedback_texts"]))
 
 
-def grade_all(rewarder: reward.Rewarder, completions: list[Completion], problems: list[dict]) -> torch.Tensor:
-    return torch.tensor(rewarder.scores(problems, [c.text for c in completions], [c.truncated for c in completions]))
+def grade_all(rewarder: reward.Rewarder, completions: list[Completion],
+              problems: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reward, the math grader's verdict) of each completion: the reward is the verdict unless --reward names a
+    function of the user's; the accuracy metrics always read the verdict."""
+    texts, cut = [c.text for c in completions], [c.truncated for c in completions]
+    rewards = torch.tensor(rewarder.scores(problems, texts, cut))
+    if rewarder.spec == reward.MATH:
+        return rewards, rewards
+    return rewards, torch.tensor(math_grader.grade_batch(texts, [p["answer"] for p in problems], truncated=cut))
 
 
 def step_advantages(kinds: list[str], all_rewards: torch.Tensor, cfg: Config, accelerator) -> torch.Tensor:
@@ -566,17 +573,17 @@ def step_advantages(kinds: list[str], all_rewards: torch.Tensor, cfg: Config, ac
 # What a step logs, and held-out evaluation
 
 
-def kind_metrics(kinds: list[str], rewards: torch.Tensor, lengths: torch.Tensor,
+def kind_metrics(kinds: list[str], rewards: torch.Tensor, verdicts: torch.Tensor, lengths: torch.Tensor,
                  truncated: list[bool]) -> dict[str, float]:
-    """Count, reward, accuracy, length and truncated share per rollout kind (kinds absent this step log only
-    count 0): do feedback rollouts run longer?"""
+    """Count, reward, accuracy (the math grader's verdicts), length and truncated share per rollout kind (kinds
+    absent this step log only count 0): do feedback rollouts run longer?"""
     out = {}
     for kind in pool_lib.KINDS:
         idx = [i for i, k in enumerate(kinds) if k == kind]
         out[f"{kind}/count"] = float(len(idx))
         if idx:
             out[f"{kind}/reward"] = rewards[idx].mean().item()
-            out[f"{kind}/accuracy"] = (rewards[idx] == 1.0).float().mean().item()
+            out[f"{kind}/accuracy"] = verdicts[idx].float().mean().item()
             out[f"{kind}/len"] = lengths[idx].mean().item()
             out[f"{kind}/truncated"] = float(np.mean([truncated[i] for i in idx]))
     return out
@@ -1002,9 +1009,11 @@ def stop_after_bad_updates(bad_in_row: int, update_stats: dict, step: int, run: 
     return bad_in_row
 
 
-def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: UpdateBatch, update_stats: dict,
-                lesson_stats: abstract.AbstractionStats, timings: dict[str, float]) -> dict:
-    """The step's metrics line, over every process's rollouts (see the README's Metrics table)."""
+def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, all_verdicts: torch.Tensor,
+                b: UpdateBatch, update_stats: dict, lesson_stats: abstract.AbstractionStats,
+                timings: dict[str, float]) -> dict:
+    """The step's metrics line, over every process's rollouts (see the README's Metrics table); accuracies are
+    the math grader's verdicts (`all_verdicts`), whatever --reward scores."""
     cfg = run.cfg
     per_rollout = distributed.gather([(k, len(c.completion_ids), c.truncated, len(c.prompt_ids))
                                       for k, c in zip(r.kinds, r.completions)])
@@ -1013,7 +1022,7 @@ def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: 
         "step": step + 1,
         "reward_mean": all_rewards.mean().item(),
         "reward_std": all_rewards.std().item(),
-        "accuracy": (all_rewards == 1.0).float().mean().item(),
+        "accuracy": all_verdicts.float().mean().item(),
         "response_len_mean": lengths.mean().item(),
         "truncated_frac": float(np.mean([t for _, _, t, _ in per_rollout])),
         "zero_adv_group_frac": (all_rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item(),
@@ -1031,7 +1040,7 @@ def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, b: 
         record["self_distill_tokens"] = b.window["teacher_tokens"] * run.accelerator.num_processes
     if cfg.feedback_model_coef > 0:
         record["feedback_model_texts"] = b.modelled_texts
-    record.update(kind_metrics([k for k, _, _, _ in per_rollout], all_rewards, lengths,
+    record.update(kind_metrics([k for k, _, _, _ in per_rollout], all_rewards, all_verdicts, lengths,
                                [t for _, _, t, _ in per_rollout]))
     record.update(feedback_metrics(lesson_stats, run.pool, [n for _, _, _, n in per_rollout], run.families))
     return record
@@ -1090,9 +1099,10 @@ def train(run: Run) -> ExperiencePool:
         # 3. grade against the gold answers (numerical reward; feedback never changes it)
         t0 = time.perf_counter()
         problems = [p for p in mine for _ in range(cfg.group_size)]
-        rewards = grade_all(run.rewarder, completions, problems)
+        rewards, verdicts = grade_all(run.rewarder, completions, problems)
         timings["time_grade"] = time.perf_counter() - t0
         all_rewards = torch.tensor(distributed.gather(rewards.tolist()))  # every process's groups, rank order
+        all_verdicts = torch.tensor(distributed.gather(verdicts.tolist()))
 
         # 4. group-relative advantages over each problem's G rollouts
         advantages = step_advantages([p.kind for p in rollout_prompts], all_rewards, cfg, accelerator)
@@ -1115,7 +1125,8 @@ def train(run: Run) -> ExperiencePool:
             pool.add(trials)
 
         # 7. log, evaluate (greedy, plain prompts: no feedback at test time), checkpoint
-        record = step_record(run, step, rollouts, all_rewards, batch, update_stats, lesson_stats, timings)
+        record = step_record(run, step, rollouts, all_rewards, all_verdicts, batch, update_stats, lesson_stats,
+                             timings)
         if run.eval_rows and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             record.update(evaluate_accuracy(run, step + 1))
         record["time_step"] = time.perf_counter() - t_step

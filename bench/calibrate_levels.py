@@ -20,6 +20,7 @@ import data  # noqa: E402
 import lanpo  # noqa: E402
 import models  # noqa: E402
 import prompts  # noqa: E402
+import reward  # noqa: E402
 from rollout import generate_completions  # noqa: E402
 
 
@@ -45,7 +46,8 @@ def main() -> None:
         t0 = time.perf_counter()
         outs = generate_completions(model, tokenizer, texts, eos_ids=eos, max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature)
-        rewards = lanpo.grade_all(outs, [r["answer"] for r in rows for _ in range(args.samples)])
+        problems = [r for r in rows for _ in range(args.samples)]
+        rewards, _ = lanpo.grade_all(reward.Rewarder(), outs, problems)
         boxed = sum("\\boxed" in o.text for o in outs) / len(outs)
         results.append({"level": level, "pass_rate": rewards.mean().item(), "boxed_rate": boxed,
                         "samples": len(outs), "seconds": time.perf_counter() - t0,

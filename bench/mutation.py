@@ -33,7 +33,7 @@ MODULES = ["grpo.py", "forwards.py", "reflect.py", "pool.py", "distill.py", "pro
 TESTS = ["tests/test_grpo.py", "tests/test_lanpo.py", "tests/test_prompts.py", "tests/test_distill.py",
          "tests/test_train.py", "tests/test_evaluate.py", "tests/test_data.py", "tests/test_rollout.py",
          "tests/test_grader.py", "tests/test_stats.py", "tests/test_rules.py", "tests/test_reward.py",
-         "tests/test_first_hour.py", "tests/test_context_probe.py"]
+         "tests/test_context_probe.py"]
 UNIT_ONLY = '''"""pytest plugin of bench/mutation.py: leave out the tests that train or evaluate a whole run (those
 that take the tiny model's directory themselves; the in-memory model `tiny` is fine)."""
 import inspect

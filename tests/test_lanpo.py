@@ -709,12 +709,13 @@ def test_kind_metrics_by_hand():
     """Per-kind count, reward, accuracy, length and truncated share on a hand-made step: each kind's truncation
     differs, so a metric read from another kind's rollouts fails."""
     out = lanpo.kind_metrics(["scratch", "reflect", "scratch", "abstract", "reflect"],
-                             torch.tensor([1.0, 0.0, 0.0, 0.5, 1.0]), torch.tensor([10.0, 30.0, 20.0, 40.0, 50.0]),
-                             [False, True, False, True, False])
+                             torch.tensor([1.0, 0.0, 0.0, 0.5, 1.0]), torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0]),
+                             torch.tensor([10.0, 30.0, 20.0, 40.0, 50.0]), [False, True, False, True, False])
     assert out == {"scratch/count": 2.0, "scratch/reward": 0.5, "scratch/accuracy": 0.5, "scratch/len": 15.0,
                    "scratch/truncated": 0.0,
                    "reflect/count": 2.0, "reflect/reward": 0.5, "reflect/accuracy": 0.5, "reflect/len": 40.0,
                    "reflect/truncated": 0.5,
                    "abstract/count": 1.0, "abstract/reward": 0.5, "abstract/accuracy": 0.0, "abstract/len": 40.0,
                    "abstract/truncated": 1.0}
-    assert lanpo.kind_metrics(["scratch"], torch.tensor([1.0]), torch.tensor([3.0]), [True])["reflect/count"] == 0.0
+    assert lanpo.kind_metrics(["scratch"], torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([3.0]),
+                              [True])["reflect/count"] == 0.0

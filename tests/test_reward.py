@@ -117,3 +117,21 @@ def test_the_math_reward_reads_no_answer_from_a_cut_completion():
     rows = [{"id": "p", "problem": "What is 10 + 5?", "answer": "15"}] * 2
     assert rewarder.scores(rows, ["The answer is 15"] * 2, [True, False]) == [0.0, 1.0]
     assert rewarder.scores(rows, ["The answer is 15"] * 2) == [1.0, 1.0]  # no flags: nothing was cut
+
+
+def test_accuracy_is_the_graders_verdict_whatever_the_reward():
+    """Under --reward module:function the reward is the function's and the accuracy metrics still read the math
+    grader's verdict (a reward of 1.0 is not "correct", and a right answer rewarded 0.5 is)."""
+    from rollout import Completion
+    rows = [{"id": "a", "problem": "What is 2 + 3?", "answer": "5"}] * 3
+    texts = ["\\boxed{5}", "\\boxed{6}", "The answer is 5"]
+    completions = [Completion([1], [2], cut, text) for text, cut in zip(texts, (False, False, True))]
+    rewarder = reward.Rewarder("test_reward:shaped", workers=1)
+    try:
+        rewards, verdicts = lanpo.grade_all(rewarder, completions, rows)
+    finally:
+        rewarder.close()
+    assert rewards.tolist() == pytest.approx([shaped(rows[0], t) for t in texts])
+    assert verdicts.tolist() == [1.0, 0.0, 0.0]  # the third is cut at the limit: no answer
+    math = reward.Rewarder()
+    assert [v.tolist() for v in lanpo.grade_all(math, completions, rows)] == [[1.0, 0.0, 0.0]] * 2
