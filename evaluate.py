@@ -191,8 +191,7 @@ def drop_pool_twins(pool: ExperiencePool, benchmarks: dict[str, list[dict]], qui
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = lanpo.FlagParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     lanpo.add_flags(ap, SHARED)
     ap.add_argument("--benchmarks", nargs="+", default=["gsm8k", "math500"],
                     help=f"anything --dataset takes: names {sorted(data.BENCHMARKS)}, file paths, synthetic:arith, "

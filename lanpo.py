@@ -295,10 +295,16 @@ def current_spelling(argv: list[str] | None) -> list[str]:
     return out
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse with a usage error in one line: plain argparse prints the whole usage (60 lines) before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def parse_config(argv: list[str] | None = None) -> Config:
     """Command line -> Config, checked."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = FlagParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_flags(parser)
     argv = current_spelling(argv)
     args = parser.parse_args(argv)
@@ -906,7 +912,9 @@ def setup(cfg: Config) -> Run:
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         start_step = json.loads((resume_from / "lanpo_state.json").read_text())["step"]
-        accelerator.print(f"resumed from {resume_from} at step {start_step}")
+        accelerator.print(f"resumed from {resume_from} at step {start_step}" + (
+            f": all {cfg.steps} steps are done; --resume {out_dir} --steps N with N > {cfg.steps} extends the run"
+            if start_step >= cfg.steps else ""))
     if accelerator.is_main_process:
         for name in ("metrics.jsonl", "heldout.jsonl"):
             if start_step:
@@ -1075,7 +1083,7 @@ def train(run: Run) -> ExperiencePool:
     if run.eval_rows and cfg.eval_at_start and run.start_step == 0:
         accelerator.print(f"step 0: held-out accuracy {evaluate_accuracy(run, 0)['eval_accuracy']:.3f}")
     progress = tqdm(range(run.start_step, cfg.steps), initial=run.start_step, total=cfg.steps,
-                    disable=not accelerator.is_main_process, desc="lanpo")
+                    disable=not accelerator.is_main_process, desc="grpo" if cfg.feedback == "none" else "lanpo")
     for step in progress:
         t_step = time.perf_counter()
         # per-step (and per-process) seed: a resumed run samples exactly as an uninterrupted one

@@ -325,9 +325,9 @@ def interrupted(out_dir: Path):
     wherever Ctrl-C landed (a checkpoint cut short is a .tmp dir, never loaded)."""
     def stop(signum, frame):
         saved = checkpoint_dirs(out_dir)
-        print(f"interrupted. Continue from {saved[-1]}: run lanpo.py with --resume {out_dir} (the settings are saved)"
+        print(f"\ninterrupted. Continue from {saved[-1]}: run lanpo.py with --resume {out_dir} (the settings are saved)"
               if saved
-              else "interrupted before the first checkpoint (--save-every N writes them): nothing to resume; the "
+              else "\ninterrupted before the first checkpoint (--save-every N writes them): nothing to resume; the "
                    "same command starts the run again in its place",
               file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)  # 130: the shell's code for a run stopped by Ctrl-C

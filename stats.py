@@ -68,10 +68,12 @@ def paired_differences(a_groups, b_groups) -> list[np.ndarray]:
 def paired_difference(a_groups, b_groups, level: float = 0.95, resamples: int = RESAMPLES,
                       seed: int = 0) -> dict[str, float]:
     """A - B on the same problems (position i of a group in A and in B is one problem): the mean difference,
-    its interval, and the two-sided bootstrap p-value of "no difference" (twice the smaller share of
-    replicates on either side of 0, at most 1)."""
+    its interval, and the two-sided bootstrap p-value of "no difference" from the same replicates (twice the
+    smaller share on either side of 0, at most 1). Replicates at exactly 0 count half to each side: on a few
+    problems many land there, and counting them on both sides gave p 0.67 beside an interval [-0.375, 0.000]."""
     diff, low, high, means = _percentile_interval(paired_differences(a_groups, b_groups), level, resamples, seed)
-    p = min(1.0, 2 * min(np.mean(means <= 0), np.mean(means >= 0)))
+    ties = np.mean(means == 0) / 2
+    p = min(1.0, 2 * min(np.mean(means < 0) + ties, np.mean(means > 0) + ties))
     return {"diff": diff, "low": low, "high": high, "p": float(p)}
 
 

@@ -421,3 +421,13 @@ def test_run_sh_with_flags_only_is_the_default_run_and_keeps_the_previous_one(tm
     moved = [p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("default.")]
     assert len(moved) == 1 and f"previous runs/default moved to runs/{moved[0]} (" in done.stdout
     assert (tmp_path / "runs" / moved[0] / "metrics.jsonl").read_text() == "{}\n"  # nothing lost
+
+
+def test_a_mistyped_flag_value_is_one_line(capsys):
+    import evaluate
+    for parse in (lambda: lanpo.parse_config(["--loss-type", "grpoo"]), lambda: evaluate.main(["--mode", "zero"])):
+        with pytest.raises(SystemExit) as stop:
+            parse()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "invalid choice" in err and err.strip().endswith("(--help lists the flags)")

@@ -112,3 +112,12 @@ def test_the_interval_over_seeds_holds_its_level_by_simulation(seeds):
         d = stats.paired_seed_difference(a, b)
         covered += d["low"] <= true <= d["high"]
     assert covered / trials >= 0.93, covered / trials
+
+
+def test_bootstrap_p_counts_replicates_at_zero_half_to_each_side():
+    """B solves 2 of 8 problems A misses, nothing else differs: a replicate's mean difference is 0 exactly when
+    it draws neither (probability (6/8)^8 = 0.100), else negative. Half the zeros go to each side: p = 0.100
+    (counted on both sides, 0.200, which beside an interval ending at 0.000 reads as a contradiction)."""
+    d = stats.paired_difference([[1, 0, 0, 0, 0, 0, 0, 0]], [[1, 1, 1, 0, 0, 0, 0, 0]])
+    assert d["diff"] == -0.25 and d["high"] == 0.0
+    assert d["p"] == pytest.approx(0.75 ** 8, abs=0.01)
