@@ -42,6 +42,8 @@ from pool import EmbeddingIndex, ExperiencePool
 
 # the settings evaluation shares with training (Config fields marked evaluation=True): flags, help and defaults
 # are training's, and every one that shapes a prompt goes through training's builders
+TRUNCATION_WARNING = 0.2  # a summary with more of its responses cut than this says so
+
 SHARED = tuple(f.name for f in dataclasses.fields(lanpo.Config) if f.metadata.get("evaluation"))
 
 
@@ -282,6 +284,10 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{k}={stats.fmt(v, summary[k + '_low'], summary[k + '_high'])}" if k + "_low" in summary
                     else f"{k}={int(v)}" if k == "problems" else f"{k}={v:.3f}"
                     for k, v in summary.items() if not k.endswith(("_low", "_high"))), flush=True)
+                if summary["truncated"] > TRUNCATION_WARNING:
+                    print(f"{name} [{mode}]: {summary['truncated']:.0%} of the responses hit --max-new-tokens "
+                          f"{args.max_new_tokens} unfinished, and a cut response scores 0: these accuracies are a "
+                          "floor; give a larger --max-new-tokens", flush=True)
     if len(benchmarks) > 1:
         results["overall"] = {mode: overall(per, args.samples) for mode, per in by_mode.items()}
     if rewarder is not None:

@@ -72,7 +72,7 @@ def test_reflect_mode_runs_two_turns_and_counts_flips(tiny, monkeypatch, tmp_pat
     assert {"pass@1", "pass@2", "maj@3", "turn2_pass@2", "turn2_maj@3"} <= set(summary)
 
 
-def test_cli_writes_summary_table_and_per_problem_file(tiny_model_dir, tmp_path):
+def test_cli_writes_summary_table_and_per_problem_file(tiny_model_dir, tmp_path, capsys):
     a, b = _bench(tmp_path, 8, "a.jsonl"), _bench(tmp_path, 5, "b.jsonl")
     out = tmp_path / "eval"
     results = evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", str(a), str(b), "--limit", "4",
@@ -82,6 +82,9 @@ def test_cli_writes_summary_table_and_per_problem_file(tiny_model_dir, tmp_path)
     lines = [json.loads(x) for x in (out / "problems.jsonl").read_text().splitlines()]
     assert len(lines) == 16 and {"prompt", "responses", "answers", "verdicts", "gold"} <= set(lines[0])
     assert "| a.jsonl | reflect |" in (out / "summary.md").read_text()
+    # the random model runs to the 6-token limit: each summary says its accuracies are a floor, once
+    said = [line for line in capsys.readouterr().out.splitlines() if "hit --max-new-tokens 6 unfinished" in line]
+    assert len(said) == 4 and said[0].startswith("a.jsonl [zero-shot]: 100% of the responses")
     again = evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", str(a), "--limit", "4",
                            "--max-new-tokens", "6", "--out-dir", str(tmp_path / "eval2")])
     ids = lambda p: [json.loads(x)["id"] for x in (p / "problems.jsonl").read_text().splitlines()]  # noqa: E731
