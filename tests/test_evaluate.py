@@ -356,3 +356,32 @@ def test_a_run_is_not_evaluated_on_problems_it_trained_on(tmp_path, capsys):
     assert [r["id"] for r in benchmarks["bench"]] == ["b3"] and "left out 2 problems" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="2 evaluated problems are training problems"):
         evaluate.drop_training_twins(evaluate.training_rows_of(str(run)), {"bench": list(bench)}, refuse=True)
+
+
+def test_two_tiny_runs_compared_as_a_table_and_curves(tiny_model_dir, tmp_path, capsys):
+    """A GRPO and a LANPO run of the tiny model on the same held-out problems: the table gives each one's
+    steps, held-out accuracy from step 0 with the gain, rollouts per kind, relevance, time and disk, and the
+    LANPO run paired against the GRPO one; the curves start at step 0 and draw only panels with data."""
+    for name, feedback in (("grpo", "none"), ("lanpo", "both")):
+        lanpo.main(lanpo.parse_config([
+            "--model", str(tiny_model_dir), "--out-dir", str(tmp_path / name), "--steps", "3", "--feedback", feedback,
+            "--batch-problems", "2", "--group-size", "4", "--max-new-tokens", "4", "--synthetic-size", "2",
+            "--eval-every", "3", "--eval-size", "5", "--relevance-threshold", "0", "--abstract-max-tokens", "4",
+            "--report-to", "none", "--no-final-checkpoint"]))
+    capsys.readouterr()
+    out = plot.main([str(tmp_path / "grpo"), str(tmp_path / "lanpo"), "-o", str(tmp_path / "c.png")])
+    table = capsys.readouterr().out.split("\nwrote ")[0]
+    assert (tmp_path / "c.md").read_text().strip() == table.strip() and out.read_bytes()[:4] == b"\x89PNG"
+    grpo, lanpo_row = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert grpo[0] == "| grpo" and grpo[1] == "3" and "(step 0) ->" in grpo[3] and "(step 3)" in grpo[3]
+    assert grpo[5] == "24 / 0 / 0" and grpo[6] == "-" and grpo[9] == "- |"
+    scratch, reflect_n, abstract_n = map(int, lanpo_row[5].split(" / "))
+    assert scratch + reflect_n + abstract_n == 24 and reflect_n > 0 and abstract_n > 0
+    assert lanpo_row[6].endswith(f"of {lanpo_row[6].split(' of ')[1]}") and lanpo_row[9].startswith(("+", "-"))
+    assert float(grpo[8].removesuffix(" MB")) > 0 and grpo[7].endswith(" min")
+    grpo_only = {"grpo": [plot.read_metrics(tmp_path / "grpo")]}
+    assert grpo_only["grpo"][0][0].keys() == {"step", "eval_accuracy"} and grpo_only["grpo"][0][0]["step"] == 0
+    titles = [title for title, _ in plot.panels_with_data(grpo_only)]
+    assert "feedback rollouts per step" not in titles and "feedback through the gradient" not in titles
+    assert "feedback rollouts per step" in [t for t, _ in plot.panels_with_data(
+        {"lanpo": [plot.read_metrics(tmp_path / "lanpo")]})]
