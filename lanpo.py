@@ -646,10 +646,15 @@ def oom_hint(phase: str, remedy: str, out_dir: Path):
                          f"(resume with --resume)") from None
 
 
-def evaluate_accuracy(run: Run, step: int) -> dict[str, float]:
+SAMPLES_PER_EVAL = 4  # held-out responses in samples.md at each evaluation (and the first rollout of each kind)
+
+
+def evaluate_accuracy(run: Run, step: int, trials: list[Trial] = ()) -> dict[str, float]:
     """Greedy accuracy on held-out problems from plain prompts (no feedback at test time), through
     evaluate.py's code path (scoring.evaluate_rows), with its 95 % interval; each process takes every
-    world-th problem. The per-problem verdicts go to heldout.jsonl (the paired gain at the end uses them)."""
+    world-th problem. The per-problem verdicts go to heldout.jsonl (the paired gain at the end uses them);
+    samples.md (and wandb's `samples` table) gets the first of this step's `trials` of each kind and the first
+    held-out responses, with their reward or verdict."""
     t0 = time.perf_counter()
     mine = run.eval_rows[run.accelerator.process_index::run.accelerator.num_processes]
     with run.full_weights():
@@ -664,6 +669,14 @@ def evaluate_accuracy(run: Run, step: int) -> dict[str, float]:
     if run.accelerator.is_main_process:
         rundir.append_metrics(run.out_dir / "heldout.jsonl", {"step": step, "ids": [r["id"] for r in records],
                                                        "verdicts": [r["verdicts"][0] for r in records]})
+        first = {t.kind: t for t in reversed(trials)}  # the first trial of each kind
+        rows = [(f"train {t.kind}", t.problem, t.response, t.reward) for t in first.values()]
+        rows += [("held-out", r["problem"], r["responses"][0], r["verdicts"][0]) for r in records[:SAMPLES_PER_EVAL]]
+        rundir.append_samples(run.out_dir / "samples.md", step, rows)
+        if run.wandb is not None:
+            import wandb
+            run.wandb.log({"samples": wandb.Table(columns=["kind", "problem", "response", "score"],
+                                                  data=[list(row) for row in rows])}, step=step)
     return out
 
 
@@ -1136,7 +1149,7 @@ def train(run: Run) -> ExperiencePool:
         record = step_record(run, step, rollouts, all_rewards, all_verdicts, batch, update_stats, lesson_stats,
                              timings)
         if run.eval_rows and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            record.update(evaluate_accuracy(run, step + 1))
+            record.update(evaluate_accuracy(run, step + 1, trials))
         record["time_step"] = time.perf_counter() - t_step
         record["memory_peak_gb"] = max(distributed.gather([peak_memory_gb(accelerator.device)]))
         if accelerator.is_main_process:

@@ -90,6 +90,24 @@ def append_metrics(path: Path, record: dict) -> None:
         raise SystemExit(f"cannot append to {path}: {e.strerror or e}") from None
 
 
+SAMPLE_CHARS = 400  # of each response in samples.md: enough to see what the model wrote, small enough to read
+
+
+def append_samples(path: Path, step: int, rows: list[tuple[str, str, str, float]]) -> None:
+    """A markdown table of (kind, problem, response, reward or verdict) rows under a "step N" heading, appended:
+    what the model wrote, readable without wandb."""
+    def cell(text: str) -> str:
+        text = text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS] + " [...]"
+        return text.replace("|", "\\|").replace("\n", " ⏎ ")
+    lines = [f"## step {step}", "", "| kind | problem | response | score |", "|---|---|---|---|"]
+    lines += [f"| {kind} | {cell(problem)} | {cell(response)} | {score:g} |" for kind, problem, response, score in rows]
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n\n")
+    except OSError as e:
+        raise SystemExit(f"cannot append to {path}: {e.strerror or e}") from None
+
+
 def truncate_metrics(path: Path, done_steps: int) -> None:
     """On resume, drop lines of steps after the checkpoint (they run again), so each step appears once."""
     if not path.exists():

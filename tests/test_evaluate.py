@@ -369,6 +369,13 @@ def test_two_tiny_runs_compared_as_a_table_and_curves(tiny_model_dir, tmp_path, 
             "--eval-every", "3", "--eval-size", "5", "--relevance-threshold", "0", "--abstract-max-tokens", "4",
             "--report-to", "none", "--no-final-checkpoint"]))
     capsys.readouterr()
+    # what the model wrote, readable without wandb: each evaluation's first rollout of each kind and held-out answers
+    samples = (tmp_path / "lanpo" / "samples.md").read_text()
+    assert samples.startswith("## step 0\n") and "\n## step 3\n" in samples
+    step3 = samples.split("## step 3")[1]
+    assert {"| train scratch |", "| train reflect |", "| train abstract |"} <= {
+        line[:line.index(" |", 2) + 2] for line in step3.splitlines() if line.startswith("| train")}
+    assert step3.count("| held-out |") == 4 and "## step 0" not in step3
     out = plot.main([str(tmp_path / "grpo"), str(tmp_path / "lanpo"), "-o", str(tmp_path / "c.png")])
     table = capsys.readouterr().out.split("\nwrote ")[0]
     assert (tmp_path / "c.md").read_text().strip() == table.strip() and out.read_bytes()[:4] == b"\x89PNG"
@@ -385,3 +392,29 @@ def test_two_tiny_runs_compared_as_a_table_and_curves(tiny_model_dir, tmp_path, 
     assert "feedback rollouts per step" not in titles and "feedback through the gradient" not in titles
     assert "feedback rollouts per step" in [t for t, _ in plot.panels_with_data(
         {"lanpo": [plot.read_metrics(tmp_path / "lanpo")]})]
+
+
+def test_each_evaluation_logs_a_samples_table_to_wandb(tiny_model_dir, tmp_path, monkeypatch):
+    """With wandb on, every evaluation logs a `samples` table (kind, problem, response, score) at its step."""
+    import sys
+    import types
+    logged = []
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    def init(**kwargs):
+        return types.SimpleNamespace(log=lambda record, step: logged.append((step, record)), finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Table=Table))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    lanpo.main(lanpo.parse_config([
+        "--model", str(tiny_model_dir), "--out-dir", str(tmp_path / "run"), "--steps", "2", "--batch-problems", "2",
+        "--group-size", "4", "--max-new-tokens", "4", "--synthetic-size", "2", "--eval-every", "2", "--eval-size",
+        "3", "--report-to", "auto", "--no-final-checkpoint"]))
+    tables = [(step, r["samples"]) for step, r in logged if "samples" in r]
+    assert [step for step, _ in tables] == [0, 2]
+    assert tables[1][1].columns == ["kind", "problem", "response", "score"]
+    kinds = [row[0] for row in tables[1][1].data]
+    assert "train scratch" in kinds and len(set(kinds)) == len(kinds) - 2 and kinds[-3:] == ["held-out"] * 3
+    assert [row[0] for row in tables[0][1].data] == ["held-out"] * 3  # step 0: nothing trained yet
