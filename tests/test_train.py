@@ -382,3 +382,15 @@ def test_a_loss_term_added_as_the_readme_says_trains_and_logs(tiny_model_dir, tm
     assert first["entropy_bonus_loss"] == pytest.approx(-10.0 * first["entropy"], rel=1e-3)  # one micro-batch
     assert any(not torch.equal(weights["plain"][k], weights["bonus"][k]) for k in weights["plain"])
     assert all(torch.equal(weights["plain"][k], weights["no-graph"][k]) for k in weights["plain"])
+
+
+def test_resuming_a_finished_run_says_how_to_extend_it(tiny_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    flags = ["--model", str(tiny_model_dir), "--out-dir", str(run), "--steps", "1", "--batch-problems", "2",
+             "--group-size", "2", "--micro-batch", "4", "--max-new-tokens", "3", "--eval-every", "0",
+             "--report-to", "none"]
+    lanpo.main(lanpo.parse_config(flags))
+    capsys.readouterr()
+    lanpo.main(lanpo.parse_config(["--resume", str(run)]))
+    out = capsys.readouterr().out
+    assert f"all 1 steps are done; --resume {run} --steps N with N > 1 extends the run" in out
