@@ -284,6 +284,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tiny_model_dir, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]  # the shell's code for Ctrl-C
     assert "interrupted. Continue from" in err and f"run lanpo.py with --resume {out} (the settings are saved)" in err
+    assert "\ninterrupted. Continue from" in err  # on a line of its own, not after the progress bar's last one
 
 
 def test_evaluate_refusals_and_intermediate_checkpoints(tiny_model_dir, tmp_path, graded_by_parity):
