@@ -173,8 +173,8 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
                     cfg) -> PendingLessons:
     """Steps 1 and 2 (candidates, relevance) for each problem whose cache entry is missing or older than
     --abstract-refresh steps; cache hits are served as they are. What is left to generate is in `requests`.
-    cfg (lanpo.Config) gives K (--abstract-candidates), gamma (--relevance-threshold), --abstract-mode,
-    --attempt-tokens, --relevance-text and --share-prefill."""
+    cfg (lanpo.Config) gives K (--abstract-candidates), gamma (--relevance-threshold), --relevance-top,
+    --relevance-question, --abstract-mode, --attempt-tokens, --relevance-text and --share-prefill."""
     gamma, mode = cfg.relevance_threshold, cfg.abstract_mode
     stats = AbstractionStats()
     lessons: dict[str, str] = {}
@@ -199,19 +199,23 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
         todo.append((p, shown))
         for t in shown:
             solution = t.response if cfg.relevance_text == "experience" else None
-            pairs.append(relevance_request(p["problem"], t.problem, solution))
+            pairs.append(relevance_request(p["problem"], t.problem, solution, cfg.relevance_question))
             owners.append(len(todo) - 1)
     stats.time_retrieval = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     kept: list[list[Trial]] = [[] for _ in todo]
-    if gamma > 0 and pairs:
+    if (gamma > 0 or cfg.relevance_top) and pairs:
         scores = relevance_scores(model, tokenizer, pairs, owners, share_prefix=cfg.share_prefill)
         stats.scores = scores
         flat = [t for _, shown in todo for t in shown]
-        for owner, t, s in zip(owners, flat, scores):
+        passed: list[list[tuple[float, int, Trial]]] = [[] for _ in todo]
+        for i, (owner, t, s) in enumerate(zip(owners, flat, scores)):
             if s >= gamma:
-                kept[owner].append(t)
+                passed[owner].append((s, i, t))
+        if cfg.relevance_top:  # the N best of each problem, then back in retrieval order
+            passed = [sorted(sorted(p, key=lambda x: -x[0])[:cfg.relevance_top], key=lambda x: x[1]) for p in passed]
+        kept = [[t for _, _, t in p] for p in passed]
     else:  # gamma = 0: no filter, no forward pass
         kept = [shown for _, shown in todo]
     stats.accepted = [any(t is x for x in k) for (_, shown), k in zip(todo, kept) for t in shown]

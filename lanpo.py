@@ -213,6 +213,13 @@ class Config:
     relevance_text: str = _f("experience", "what the relevance judgement reads of a candidate: its problem and shown "
                              "solution (experience), or its problem statement only (problem: a shorter, cheaper "
                              "forward)", choices=["experience", "problem"], evaluation=True)
+    relevance_question: str = _f("approach", "what the relevance judge is asked: approach (the paper's: is B's "
+                                 "approach relevant and useful for A?) or operation (do A and B ask for exactly the "
+                                 "same operation?)", choices=["approach", "operation"], evaluation=True)
+    relevance_top: int = _f(0, "keep at most the N best-scored candidates of a problem among those at or above "
+                            "gamma (0 = every one): a rank rule for a judge that ranks well but scores every pair "
+                            "near 0.5; the judge scores candidates whenever N > 0, also at gamma 0",
+                            evaluation=True)
     abstract_refresh: int = _f(4, "reuse a problem's principles for this many steps before distilling anew")
     abstract_max_tokens: int = _f(64, "longest principles text", evaluation=True)
     abstract_ahead: bool = _f(False, "distil the next step's principles inside this step's sampling call (one "
@@ -340,6 +347,9 @@ def check_config(cfg: Config) -> None:
         raise SystemExit(f"--feedback-ratio must be in [0, 1], got {cfg.feedback_ratio}")
     if not 0.0 <= cfg.relevance_threshold <= 1.0:
         raise SystemExit(f"--relevance-threshold must be in [0, 1], got {cfg.relevance_threshold}")
+    if cfg.relevance_top < 0:
+        raise SystemExit(f"--relevance-top must be >= 0 (0 keeps every candidate at or above gamma), got "
+                         f"{cfg.relevance_top}")
     if cfg.reward_timeout <= 0:
         raise SystemExit(f"--reward-timeout must be > 0 seconds, got {cfg.reward_timeout}")
     if cfg.temperature <= 0:
@@ -838,6 +848,9 @@ def load_rows(cfg: Config) -> tuple[list[dict], list[dict], collections.Counter]
     if twins:
         dropped = {t for t, _, _ in twins}
         train_rows = [r for r in train_rows if r["id"] not in dropped]
+        if not train_rows:
+            raise SystemExit(f"--dataset {cfg.dataset}: every training problem is a held-out problem of {eval_spec} "
+                             "in other words: train and evaluate on different problems")
         skipped["twin_of_held_out"] += len(dropped)
     return train_rows, eval_rows, skipped
 

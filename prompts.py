@@ -104,18 +104,30 @@ def leaky_reflection_request(problem: str, attempts: list[str], mode: str, rewar
 RELEVANCE_ANSWERS = ("Yes", "No")
 
 
-def relevance_request(problem: str, other_problem: str, other_solution: str | None) -> str:
+# --relevance-question: what the judge is asked, (with the candidate's solution, with its problem only).
+# `approach` is the paper's question; `operation` asks whether the two problems are one computation with other
+# numbers, which Qwen2.5-Coder-1.5B ranks better on synthetic:rules (docs/evaluation.md, the judge's wordings)
+RELEVANCE_QUESTIONS = {
+    "approach": ("Is the approach used to solve problem B relevant and useful for solving problem A?",
+                 "Is the approach that solves problem B relevant and useful for solving problem A?"),
+    "operation": ("Do problems A and B ask for exactly the same operation, so that the method of this solution, "
+                  "applied to problem A's numbers, gives problem A's answer?",
+                  "Do problems A and B ask for exactly the same operation, so that the method that solves B, "
+                  "applied to problem A's numbers, solves A?"),
+}
+
+
+def relevance_request(problem: str, other_problem: str, other_solution: str | None,
+                      question: str = "approach") -> str:
     """Asks whether another problem's approach is relevant (answered with RELEVANCE_ANSWERS; scored, never
     generated). With `other_solution` None (--relevance-text problem) the judgement rests on the two problem
-    statements."""
+    statements. `question`: a key of RELEVANCE_QUESTIONS."""
     yes, no = RELEVANCE_ANSWERS
+    with_solution, problem_only = RELEVANCE_QUESTIONS[question]
     if other_solution is None:
-        return (f"Problem A: {problem}\n\nProblem B: {other_problem}\n\n"
-                "Is the approach that solves problem B relevant and useful for solving problem A? "
-                f"Answer with {yes} or {no}.")
+        return f"Problem A: {problem}\n\nProblem B: {other_problem}\n\n{problem_only} Answer with {yes} or {no}."
     return (f"Problem A: {problem}\n\nProblem B: {other_problem}\n\nA solution of problem B:\n{other_solution}\n\n"
-            "Is the approach used to solve problem B relevant and useful for solving problem A? "
-            f"Answer with {yes} or {no}.")
+            f"{with_solution} Answer with {yes} or {no}.")
 
 
 def principles_request(problem: str, experiences: list[Trial]) -> str:

@@ -50,7 +50,7 @@ CONTEXTS = ("none", "reflect", "principles", "principles-irrelevant", "raw", "go
 SETTINGS = ("model", "dtype", "seed", "dataset", "data_dir", "split", "levels", "synthetic_size", "train_size",
             "id_field", "problem_field", "answer_field", "skip_bad_rows", "eval_dataset", "eval_split", "eval_size",
             "one_shot", "max_new_tokens", "attempt_tokens", "abstract_candidates", "relevance_threshold",
-            "abstract_max_tokens", "gen_batch", "share_prefill", "cpu_rows_first_matmul")
+            "abstract_max_tokens", "gen_batch", "share_prefill", "cpu_rows_first_matmul", "relevance_question")
 
 
 def family_of(row: dict) -> str | None:
@@ -133,22 +133,33 @@ def write_principles(model, tokenizer, problems: list[str], shown: list[list[Tri
 
 def judge_report(model, tokenizer, rows: list[dict], pool: ExperiencePool, shown: dict[str, Trial],
                  family: dict[str, str | None], cfg) -> dict:
-    """The relevance judge on the K candidates training would retrieve for each held-out problem, against the
-    families, reading each candidate's problem and solution (experience, the default) and its problem alone:
-    share of the problem's family among them, acceptance, precision and recall at gamma, score quantiles."""
-    pairs, same = {"experience": [], "problem": []}, []
-    for row in rows:
+    """The relevance judge (asked --relevance-question) on the K candidates training would retrieve for each
+    held-out problem, against the families, reading each candidate's problem and solution (experience, the
+    default) and its problem alone: share of the problem's family among them, acceptance, precision and recall at
+    gamma, score quantiles, the AUC (P(a same-family pair outscores an other-family one)), and the top-1
+    precision (`--relevance-top 1`: the share of problems whose best-scored candidate is of their family, among
+    the problems that have one)."""
+    pairs, same, owner = {"experience": [], "problem": []}, [], []
+    for i, row in enumerate(rows):
         for _, trials in pool.similar(row["problem"], cfg.abstract_candidates, row["id"], data.content_key(row)):
             t = shown[trials[0].problem_id]
-            pairs["experience"].append(prompts.relevance_request(row["problem"], t.problem, t.response))
-            pairs["problem"].append(prompts.relevance_request(row["problem"], t.problem, None))
+            pairs["experience"].append(prompts.relevance_request(row["problem"], t.problem, t.response,
+                                                                 cfg.relevance_question))
+            pairs["problem"].append(prompts.relevance_request(row["problem"], t.problem, None, cfg.relevance_question))
             same.append(family[t.problem_id] == family_of(row))
-    same = np.array(same, dtype=bool)
-    out = {"candidates": int(same.size), "same_family_share": float(same.mean()), "gamma": cfg.relevance_threshold}
+            owner.append(i)
+    same, owner = np.array(same, dtype=bool), np.array(owner)
+    has_family = [i for i in range(len(rows)) if same[owner == i].any()]
+    out = {"candidates": int(same.size), "same_family_share": float(same.mean()), "gamma": cfg.relevance_threshold,
+           "question": cfg.relevance_question, "problems_with_a_family_candidate": len(has_family)}
     for text, requests in pairs.items():
         scores = np.array(abstract.relevance_scores(model, tokenizer, requests))
         accepted = scores >= cfg.relevance_threshold
+        best = [np.flatnonzero(owner == i)[np.argmax(scores[owner == i])] for i in has_family]
         out[text] = {
+            "auc": float(np.mean([(a > b) + 0.5 * (a == b) for a in scores[same] for b in scores[~same]]))
+            if same.any() and (~same).any() else float("nan"),
+            "top1_precision": float(same[best].mean()) if best else float("nan"),
             "accepted": float(accepted.mean()),
             "precision": float(same[accepted].mean()) if accepted.any() else float("nan"),
             "recall": float(accepted[same].mean()) if same.any() else float("nan"),
@@ -184,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "gold (written-out correct solutions), or a pool.jsonl")
     ap.add_argument("--pool-samples", type=int, default=4, help="attempts per training problem for --pool sampled")
     ap.add_argument("--out", default="", help="JSON with every verdict (default runs/bench/context_probe-*.json)")
+    ap.add_argument("--judge-only", action="store_true", help="only the relevance judge's report (data with families)")
     args = ap.parse_args(argv)
     cfg = lanpo.Config(**{name: getattr(args, name) for name in SETTINGS})
     lanpo.check_config(cfg)
@@ -206,6 +218,18 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(cfg.seed)
     pool = make_pool(args.pool, model, tokenizer, train_rows, cfg, eos_ids, args.pool_samples)
     family.update({pid: family.get(pid) for pid in pool.trials})  # a saved pool's problems may be other rows
+    if args.judge_only:
+        if not any(family_of(r) is not None for r in eval_rows):
+            raise SystemExit(f"--judge-only: {cfg.dataset} has no families to judge against (synthetic:rules has)")
+        judge = judge_report(model, tokenizer, eval_rows, pool, shown_trials(pool, tokenizer, cfg.attempt_tokens),
+                             family, cfg)
+        print(f"{cfg.model} on {cfg.dataset}: relevance judge, {judge['candidates']} retrieved candidates "
+              f"({cfg.abstract_candidates} a problem), {judge['same_family_share']:.0%} of the problem's family")
+        print_judge(judge)
+        out = Path(args.out or f"runs/bench/judge-{Path(cfg.model).name}-{cfg.relevance_question}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(judge, indent=1))
+        return {"judge": judge}
 
     def greedy(texts: list[str], label: str):
         return generate_completions(model, tokenizer, texts, eos_ids=eos_ids, max_new_tokens=cfg.max_new_tokens,
@@ -237,6 +261,16 @@ def main(argv: list[str] | None = None) -> dict:
                                                               .input_ids) for i in given])) if given else 0.0}
     return report(args, cfg, eval_rows, pool, shown, relevant, family, results, principles, model, tokenizer,
                   t_start)
+
+
+def print_judge(j: dict) -> None:
+    for text in ("experience", "problem"):
+        q = j[text]["score_quantiles"]
+        print(f"  --relevance-question {j['question']} --relevance-text {text}: AUC {j[text]['auc']:.3f}, top-1 "
+              f"precision {j[text]['top1_precision']:.2f} (of the {j['problems_with_a_family_candidate']} problems "
+              f"with a candidate of their family); {j[text]['accepted']:.0%} accepted, precision "
+              f"{j[text]['precision']:.2f}, recall {j[text]['recall']:.2f}; scores 10/50/90 %: same family "
+              f"{q['same_family']}, other {q['other_family']}")
 
 
 def report(args, cfg, rows, pool, shown, relevant, family, results, principles, model, tokenizer, t_start) -> dict:
@@ -273,11 +307,7 @@ def report(args, cfg, rows, pool, shown, relevant, family, results, principles, 
         j = summary["judge"]
         print(f"relevance judge, {j['candidates']} retrieved candidates ({cfg.abstract_candidates} a problem), "
               f"{j['same_family_share']:.0%} of the problem's family; at gamma {j['gamma']}:")
-        for text in ("experience", "problem"):
-            q = j[text]["score_quantiles"]
-            print(f"  --relevance-text {text}: {j[text]['accepted']:.0%} accepted, precision {j[text]['precision']:.2f}"
-                  f", recall {j[text]['recall']:.2f}; scores 10/50/90 %: same family {q['same_family']}, "
-                  f"other {q['other_family']}")
+        print_judge(j)
     out = Path(args.out or f"runs/bench/context_probe-{Path(cfg.model).name}-{cfg.dataset.replace(':', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**summary, "ids": [r["id"] for r in rows],

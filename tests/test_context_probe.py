@@ -94,3 +94,25 @@ def test_bad_settings_stop_before_any_model_loads(tmp_path):
         probe.main(["--pool", "nowhere.jsonl", "--model", str(tmp_path / "no-model")])
     with pytest.raises(SystemExit, match="has no held-out problems here: give --eval-dataset"):
         probe.main(["--dataset", str(ROOT / "data" / "aime24.jsonl"), "--model", str(tmp_path / "no-model")])
+
+
+def test_the_judge_alone_with_its_ranking_measures(tiny_model_dir, tmp_path):
+    """--judge-only reports the judge without sampling any context: AUC and top-1 precision are in [0, 1], the
+    top-1 share is over the problems that have a candidate of their family, and the question asked is named."""
+    out = tmp_path / "judge.json"
+    result = probe.main(["--model", str(tiny_model_dir), "--dataset", "synthetic:rules", "--levels", "1-2",
+                         "--synthetic-size", "16", "--eval-size", "8", "--pool", "gold", "--judge-only",
+                         "--relevance-question", "operation", "--out", str(out)])
+    judge = json.loads(out.read_text())
+    assert json.dumps(judge, sort_keys=True) == json.dumps(result["judge"], sort_keys=True)  # (NaN != NaN)
+    assert judge["question"] == "operation" and judge["candidates"] == 8 * 3
+    assert 0 < judge["problems_with_a_family_candidate"] <= 8
+    for text in ("experience", "problem"):
+        assert 0 <= judge[text]["auc"] <= 1 and 0 <= judge[text]["top1_precision"] <= 1
+    rows, held = tmp_path / "rows.jsonl", tmp_path / "held.jsonl"
+    for path, offset in ((rows, 10), (held, 50)):
+        path.write_text("".join(json.dumps({"id": f"r{i}", "problem": f"What is {i} + {offset}?",
+                                            "answer": str(i + offset)}) + "\n" for i in range(4)))
+    with pytest.raises(SystemExit, match="no families to judge against"):
+        probe.main(["--model", str(tiny_model_dir), "--dataset", str(rows), "--eval-dataset", str(held),
+                    "--pool", "gold", "--judge-only", "--out", str(tmp_path / "j2.json")])

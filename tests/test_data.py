@@ -252,6 +252,8 @@ def test_training_drops_or_refuses_problems_that_are_held_out_ones(tmp_path):
     assert [r["id"] for r in rows] == ["t2", "t3"] and skipped["twin_of_held_out"] == 1
     with pytest.raises(SystemExit, match=r"1 training problems are held-out problems .* t1 = e1 \(same text\)"):
         lanpo.load_rows(lanpo.Config(dataset=str(train), eval_dataset=str(held), eval_overlap="refuse"))
+    with pytest.raises(SystemExit, match="every training problem is a held-out problem"):
+        lanpo.load_rows(lanpo.Config(dataset=str(held), eval_dataset=str(held)))
     # the README's MATH recipe: 5 of MATH-500's problems are in math_train in other words
     _, _, skipped = lanpo.load_rows(lanpo.Config(dataset="math_train", skip_bad_rows=True, eval_dataset="math500",
                                                  eval_size=0))

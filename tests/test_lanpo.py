@@ -487,6 +487,33 @@ def test_threshold_filters_as_stated(tiny):
     assert stats.kept == 0 and "cur" not in lessons
 
 
+def test_relevance_top_keeps_the_best_scored_candidates_in_retrieval_order(tiny):
+    """--relevance-top N: of the candidates at or above gamma, the N best-scored, shown in retrieval order; at
+    gamma 0 the judge still scores them (to rank); --relevance-question operation asks the other question."""
+    model, tokenizer = tiny
+    pool = ExperiencePool()
+    pool.add([trial(f"o{i}", f"Tom has {i} apples and gets {i} more.", f"{i} + {i} = {2 * i}", 1.0) for i in range(4)])
+    problem = [{"id": "cur", "problem": "Tom has 9 apples and gets 9 more."}]
+    found = [ts[0] for _, ts in pool.similar(problem[0]["problem"], 4, exclude_id="cur")]
+    for question in ("approach", "operation"):
+        pairs = [prompts.relevance_request(problem[0]["problem"], t.problem, t.response, question) for t in found]
+        scores = abstract.relevance_scores(model, tokenizer, pairs)
+        assert len(set(scores)) == 4  # distinct: the ranking is defined
+        for gamma, top in ((0.0, 2), (sorted(scores)[1], 1), (sorted(scores)[1], 3)):
+            cfg = lanpo.Config(abstract_candidates=4, relevance_threshold=gamma, relevance_top=top,
+                               relevance_question=question, abstract_mode="raw", abstract_refresh=1,
+                               attempt_tokens=64, gen_batch=4)
+            lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg, [2])
+            ranked = sorted((i for i in range(4) if scores[i] >= gamma), key=lambda i: -scores[i])[:top]
+            assert stats.scores == pytest.approx(scores, abs=1e-5)
+            assert stats.accepted == [i in ranked for i in range(4)]
+            shown = [line.removeprefix("Related problem: ") for line in lessons["cur"].splitlines()
+                     if line.startswith("Related problem:")]
+            assert shown == [found[i].problem for i in sorted(ranked)]
+    with pytest.raises(SystemExit, match="--relevance-top must be >= 0"):
+        lanpo.parse_config(["--relevance-top", "-1"])
+
+
 @pytest.mark.parametrize("relevance_text", ["experience", "problem"])
 def test_relevance_text_decides_what_the_judgement_reads(tiny, monkeypatch, relevance_text):
     """--relevance-text problem: the candidates' solutions are not in the relevance requests (and the

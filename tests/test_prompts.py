@@ -86,3 +86,13 @@ def test_rendering_adds_the_worked_example_only_when_asked(tiny):
     assert shot == ("<|im_start|>user\nWhat is 2 + 5?\nPut your final answer in \\boxed{}.<|im_end|>\n"
                     "<|im_start|>assistant\n2 + 5 = 7. The answer is \\boxed{7}.<|im_end|>\n"
                     "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_operation_question_is_worded_as_measured():
+    assert prompts.relevance_request("A?", "B?", None, "operation") == (
+        "Problem A: A?\n\nProblem B: B?\n\nDo problems A and B ask for exactly the same operation, so that the "
+        "method that solves B, applied to problem A's numbers, solves A? Answer with Yes or No.")
+    assert prompts.relevance_request("A?", "B?", "sol", "operation") == (
+        "Problem A: A?\n\nProblem B: B?\n\nA solution of problem B:\nsol\n\nDo problems A and B ask for exactly the "
+        "same operation, so that the method of this solution, applied to problem A's numbers, gives problem A's "
+        "answer? Answer with Yes or No.")
