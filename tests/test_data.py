@@ -190,7 +190,7 @@ def test_content_key_is_operands_and_answer():
         return {"problem": "p", "answer": answer, "content": content}
     assert data.content_key(row("+ 2 2", "4")) == data.content_key(row("* 2 2", "4")) == "2 2 = 4"
     assert data.content_key(row("+ 5 23", "28")) == "5 23 = 28" != data.content_key(row("* 5 23", "115"))
-    assert data.content_key(row("* 2 3 + 4", "10")) == data.content_key(row("+ 4 3 2", "10")) == "2 3 4 = 10"
+    assert data.content_key(row("* 2 2 + 3", "7")) == data.content_key(row("+ 3 2 2", "7")) == "2 2 3 = 7"
     assert data.content_key({"problem": "p", "answer": "1"}) == ""  # a data file's row: its text is its key
     assert data.ONE_SHOT_KEY == "2 5 = 7"
 
