@@ -82,7 +82,7 @@ def synthetic_arith(split: str, size: int, seed: int, levels: list[int], train_s
     show, and N held-out problems are N distinct ones. Any other split than train never shares a content key
     with the `train_size` train problems of the same seed, whatever the wording, and no split holds the
     worked example's arithmetic (every prompt shows its answer). A level whose distinct problems are used up
-    (level 1 has 90) is no longer drawn; none left is an error."""
+    (level 1 has 88) is no longer drawn; none left is an error."""
     for level in levels:
         if not 1 <= level <= ARITH_LEVELS:
             raise SystemExit(f"--levels: synthetic:arith has levels 1-{ARITH_LEVELS}, got {level}")
@@ -97,8 +97,9 @@ def synthetic_arith(split: str, size: int, seed: int, levels: list[int], train_s
             problem, answer, arithmetic = _arith_problem(rng, level)
             row = {"id": f"arith-{split}-{len(rows):05d}", "problem": problem, "answer": str(answer),
                    "level": level, "content": arithmetic}
-            if content_key(row) not in seen:
-                seen.add(content_key(row))
+            key = content_key(row)
+            if key not in seen:
+                seen.add(key)
                 rows.append(row)
                 break
         else:  # this level's distinct problems are used up (level 1 has 90): draw from the others
@@ -218,14 +219,14 @@ def held_out_twins(train_rows: list[dict], eval_rows: list[dict]) -> list[tuple[
     by_answer: dict[str, list[tuple[dict, set, frozenset]]] = {}
     for row in eval_rows:
         by_answer.setdefault(_SPACING.sub("", row["answer"]), []).append(
-            (row, set(_words(row["problem"])), frozenset(_NUMBERS.findall(row["problem"]))))
+            (row, set(terms(row["problem"])), frozenset(_NUMBERS.findall(row["problem"]))))
     twins = []
     for row in train_rows:
         same = next((k for k in twin_keys(row["problem"], content_key(row)) if k in owner), None)
         if same is not None:
             twins.append((row["id"], owner[same], "same " + same.split(" ", 1)[0]))
             continue
-        words, numbers = set(_words(row["problem"])), frozenset(_NUMBERS.findall(row["problem"]))
+        words, numbers = set(terms(row["problem"])), frozenset(_NUMBERS.findall(row["problem"]))
         for other, other_words, other_numbers in by_answer.get(_SPACING.sub("", row["answer"]), ()):
             if numbers and numbers == other_numbers and \
                     len(words & other_words) >= REWORDED_OVERLAP * len(words | other_words):
@@ -234,8 +235,13 @@ def held_out_twins(train_rows: list[dict], eval_rows: list[dict]) -> list[tuple[
     return twins
 
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"\\[a-zA-Z]+|[a-zA-Z]+|\d+|[^\sa-zA-Z\d]", text.lower())
+_TERM = re.compile(r"\\[a-zA-Z]+|[a-zA-Z]+|\d+|[^\sa-zA-Z\d]")
+
+
+def terms(text: str) -> list[str]:
+    """Lexical terms: words (lower-cased), numbers, LaTeX commands and single symbols (the retriever's, and the
+    reworded-twin check's)."""
+    return [t.lower() for t in _TERM.findall(text)]
 
 
 def problem_key(text: str) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from data import content_key, twin_keys
+from data import content_key, terms, twin_keys
 
 KINDS = ("scratch", "reflect", "abstract")
 
@@ -42,14 +41,6 @@ class Trial:
     reward: float
     step: int
     content_key: str = ""  # data.content_key of the problem ("" for data files): its twins share it
-
-
-_TOKEN = re.compile(r"\\[a-zA-Z]+|[a-zA-Z]+|\d+|[^\sa-zA-Z\d]")
-
-
-def terms(text: str) -> list[str]:
-    """Lexical terms: words (lower-cased), numbers, LaTeX commands and single symbols."""
-    return [t.lower() for t in _TOKEN.findall(text)]
 
 
 class TfidfIndex:
