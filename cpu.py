@@ -1,7 +1,7 @@
 """CPU-only speed-ups, applied in one place (`speed_up`) by training, evaluation and the benches: glibc's malloc
 told to keep the memory a step frees (`keep_freed_host_memory`), and linear layers that compute few-row
 no-grad products as W·xᵀ (`RowsFirstLinear`). Neither changes what is computed beyond float summation order;
-GPU runs take neither.
+GPU runs take neither. `native_bf16` says whether the CPU computes bf16 in hardware (what --dtype auto reads).
 """
 
 from __future__ import annotations
@@ -16,6 +16,30 @@ def speed_up(model=None, rows_first: bool = True) -> bool:
     if model is not None and rows_first:
         rows_first_linears(model)
     return kept
+
+
+# CPU feature flags (Linux /proc/cpuinfo) of native bf16 arithmetic, which oneDNN uses for bf16 matmuls:
+# x86 AVX512-BF16 (Cooper Lake, Zen 4 and later) and AMX-BF16 (Sapphire Rapids); Arm's BF16 extension
+# (Armv8.6: Graviton3, Neoverse V1/N2, Apple M2; "bf16" in the Features line). Without them torch emulates
+# bf16 by converting to fp32, which runs slower than fp32 itself.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def native_bf16(cpuinfo: str | None = None) -> str:
+    """The first native-bf16 feature flag this CPU reports (NATIVE_BF16_FLAGS), or "" when it has none or
+    says nothing (no /proc/cpuinfo: macOS, Windows). `cpuinfo`: that file's text, for tests."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return ""
+    flags = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), "")
 
 
 def keep_freed_host_memory() -> bool:
@@ -53,7 +77,7 @@ class RowsFirstLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if (torch.is_grad_enabled() or rows > self.max_rows or x.device.type != "cpu"
-                or self.weight.dtype != torch.float32):
+                or self.weight.dtype not in (torch.float32, torch.bfloat16)):
             return super().forward(x)
         columns = x.reshape(rows, x.shape[-1])
         if rows == 1:

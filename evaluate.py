@@ -252,7 +252,11 @@ def main(argv: list[str] | None = None) -> dict:
     rewarder = reward.Rewarder(args.reward, args.reward_timeout) if args.reward != reward.MATH else None
 
     tokenizer = models.load_tokenizer(args.model)
-    model = models.load_policy(args.model, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    precision, why = lanpo.resolve_dtype(args.dtype, torch.cuda.is_available(), cpu.native_bf16(), sharded=False)
+    if why:
+        print(why)
+    model = models.load_policy(args.model, {"fp32": torch.float32, "fp16": torch.float16}.get(precision,
+                                                                                             torch.bfloat16))
     if torch.cuda.is_available():
         model = model.to("cuda")
     else:

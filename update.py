@@ -56,6 +56,9 @@ class MicroBatch:
     sampling_logps: torch.Tensor | None = None  # the sampling prompt's log-probs (strip, distill)
     off_policy: torch.Tensor | None = None     # rows trained on another prompt than they were sampled with
     ref_logps: torch.Tensor | None = None      # reference policy, when beta > 0
+    sampler_logps: torch.Tensor | None = None  # the sampler's log-probs of the tokens it drew (0 where none)
+    sampler_rows: torch.Tensor | None = None   # rows trained on the prompt they were sampled with, that have them
+    sampler_log_ratio: torch.Tensor | None = None  # log pi_old - log pi_sampler on those rows' tokens (first epoch)
     teacher_inputs: tuple | None = None        # (ids, attn) of the self-distillation teacher's prompts
     has_teacher: torch.Tensor | None = None
     chunks: int = 1                            # forwards over its completions (forwards.chunk_count, agreed)
@@ -116,6 +119,15 @@ def micro_batches(model, ref_model, b: UpdateBatch, cfg, pad_id: int, device) ->
             if cfg.beta > 0:
                 mb.ref_logps = reference_logprobs(model, ref_model, mb.ids, mb.attn, mb.cmask, cfg, mb.chunks,
                                                   mb.prompt_chunks)
+        sampled_here = [rows[i].sampler_logps is not None and (b.behaviour is None or b.behaviour[i] is None)
+                        for i in idx]
+        if any(sampled_here):
+            mb.sampler_logps = torch.zeros(mb.cmask.shape, dtype=torch.float32)
+            for j, i in enumerate(idx):
+                if sampled_here[j]:
+                    mb.sampler_logps[j, :len(rows[i].sampler_logps)] = rows[i].sampler_logps
+            mb.sampler_logps = mb.sampler_logps.to(device)
+            mb.sampler_rows = torch.tensor(sampled_here, device=device)
         if b.teachers is not None:
             mb.teacher_inputs = pack([rows[i] if b.teachers[i] is None else b.teachers[i] for i in idx],
                                      pad_id, device)[:2]
@@ -153,16 +165,52 @@ def add_loss(stats: dict, name: str, value: float) -> None:
     stats.setdefault(name, []).append((value, None))
 
 
+def sampler_weights(f: Forward, mb: MicroBatch, cfg) -> torch.Tensor | None:
+    """Truncated importance weights min(pi_old / pi_sampler, C) per token (TIS) of the rows trained on the prompt
+    they were sampled with, under --dtype bf16-mixed: the sampler (a bf16 copy of the weights, or a decoding
+    step under autocast) and the update compute the same policy in other precision, and the tokens were drawn
+    from the sampler's. None (weight 1) under other dtypes, with --sampler-is-cap 0, or without sampler
+    log-probs. Keeps the tokens' log ratios on `mb` for the mismatch metrics (`sampler_mismatch`)."""
+    if mb.sampler_logps is None:
+        return None
+    tokens = f.mask * mb.sampler_rows[:, None]
+    log_ratio = (f.old - mb.sampler_logps) * tokens
+    if mb.sampler_log_ratio is None:  # pi_old is the same in every epoch
+        mb.sampler_log_ratio = log_ratio[tokens.bool()]
+    if cfg.dtype != "bf16-mixed" or cfg.sampler_is_cap == 0:
+        return None
+    return torch.where(tokens.bool(), torch.exp(log_ratio).clamp(max=cfg.sampler_is_cap), 1.0)
+
+
+def sampler_mismatch(log_ratios: list[torch.Tensor], cap: float) -> dict[str, float]:
+    """How far the sampler's token log-probs are from the update's, over the tokens that have both
+    (log r = log pi_old - log pi_sampler): sampler_kl, the k3 estimate r - 1 - log r of KL(sampler || pi_old)
+    from the sampler's own draws; quantiles and the largest of r; sampler_is_capped, the share of tokens whose
+    weight the cap truncates. Empty without such tokens."""
+    if not log_ratios or not sum(len(t) for t in log_ratios):
+        return {}
+    log_r = torch.cat(log_ratios).double()
+    r = log_r.exp()
+    q = torch.quantile(r, torch.tensor([0.01, 0.5, 0.99], dtype=r.dtype))
+    out = {"sampler_kl": (r - 1 - log_r).mean().item(), "sampler_ratio_p01": q[0].item(),
+           "sampler_ratio_p50": q[1].item(), "sampler_ratio_p99": q[2].item(), "sampler_ratio_max": r.max().item()}
+    if cap > 0:
+        out["sampler_is_capped"] = (r > cap).double().mean().item()
+    return out
+
+
 def policy_gradient_loss(f: Forward, mb: MicroBatch, cfg, window: dict, stats: dict) -> torch.Tensor:
     """GRPO's clipped surrogate (+ beta * KL), token-averaged as --loss-type says; under --feedback-grad
-    distill each feedback rollout's tokens carry the truncated weight pi(y | plain) / pi(y | feedback)."""
-    weights = None
+    distill each feedback rollout's tokens carry the truncated weight pi(y | plain) / pi(y | feedback), under
+    --dtype bf16-mixed each other token the truncated weight pi_old / pi_sampler (`sampler_weights`)."""
+    weights = sampler_weights(f, mb, cfg)
     if cfg.feedback_grad == "distill" and mb.sampling_logps is not None:
-        weights = torch.where(mb.off_policy[:, None],
-                              distill.truncated_is_weights(f.old, mb.sampling_logps, cfg.distill_is_cap), 1.0)
+        distilled = torch.where(mb.off_policy[:, None],
+                                distill.truncated_is_weights(f.old, mb.sampling_logps, cfg.distill_is_cap), 1.0)
         off = f.mask * mb.off_policy[:, None]
         if off.sum() > 0:
-            add_stat(stats, "distill_is_weight", ((weights * off).sum() / off.sum()).item(), off.sum().item())
+            add_stat(stats, "distill_is_weight", ((distilled * off).sum() / off.sum()).item(), off.sum().item())
+        weights = distilled if weights is None else weights * distilled  # disjoint rows: each keeps its own
     loss, s = grpo.policy_loss(f.logps, f.old, mb.advantages, f.mask, mb.ref_logps, eps_low=cfg.eps_low,
                                eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
                                max_completion_len=cfg.max_new_tokens, window_seqs=window["seqs"],
@@ -248,6 +296,8 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, b: Update
     out = {k: sum(v for v, _ in vals) / cfg.ppo_epochs if vals[0][1] is None  # add_loss: summed
            else sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1e-9) for k, vals in stats.items()}
     out.setdefault("grad_norm", float("nan"))
+    out.update(sampler_mismatch([mb.sampler_log_ratio for mb in micro if mb.sampler_log_ratio is not None],
+                                cfg.sampler_is_cap if cfg.dtype == "bf16-mixed" else 0.0))
     return {**out, **timings, "skipped_updates": float(skipped)}
 
 

@@ -72,6 +72,15 @@ def tiny(tiny_model_dir):
 
 
 @pytest.fixture(autouse=True)
+def fp32_by_default(monkeypatch):
+    """In-process runs read --dtype auto as on a CPU without native bf16 (fp32), on every machine: the exact
+    numbers the tests pin are fp32's. Tests of bf16 say --dtype bf16-mixed, or patch cpu.native_bf16 back."""
+    import cpu
+
+    monkeypatch.setattr(cpu, "native_bf16", lambda cpuinfo=None: "")
+
+
+@pytest.fixture(autouse=True)
 def fresh_accelerate_state():
     """In-process runs each create an Accelerator; its state is a process-wide singleton that would keep
     the first run's settings (e.g. mixed precision). Reset it after every test."""

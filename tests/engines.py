@@ -102,12 +102,14 @@ def _run(argv: list[str]) -> None:
     from conftest import fake_grade
 
     import abstract
+    import cpu
     import forwards
     import lanpo
     import math_grader
     import update
 
     math_grader.grade = fake_grade  # the tiny random model never answers right: reward length parity
+    cpu.native_bf16 = lambda cpuinfo=None: ""  # --dtype auto is fp32 on every machine: engines compared exactly
     out_dir = Path(argv[argv.index("--out-dir") + 1])
     updates: list[int] = []
 

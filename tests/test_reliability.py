@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, fake_grade, training_metrics
+from conftest import ROOT, training_metrics
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_train import _params
@@ -121,11 +121,11 @@ def test_out_of_memory_says_what_to_change(tiny_model_dir, tmp_path, monkeypatch
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
+    sample = lanpo.generate_completions
     monkeypatch.setattr(lanpo, "generate_completions", oom)
     with pytest.raises(SystemExit, match=r"out of memory during sampling: try --gen-batch 32"):
         _run(tiny_model_dir, tmp_path / "a")
-    monkeypatch.undo()
-    monkeypatch.setattr(math_grader, "grade", fake_grade)
+    monkeypatch.setattr(lanpo, "generate_completions", sample)
     monkeypatch.setattr(update, "policy_update", oom)
     with pytest.raises(SystemExit, match=r"out of memory during the policy update: try --micro-batch 2"):
         _run(tiny_model_dir, tmp_path / "b")

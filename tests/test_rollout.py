@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 import cpu
+import forwards
 import prompts
 import rollout
 from forwards import cache_kwarg, hoist_common_prefix
@@ -161,6 +162,47 @@ def test_greedy_rows_and_row_limits_inside_one_sampling_call(tiny):
         assert c.truncated == (eos[0] not in c.completion_ids.tolist())
     with pytest.raises(ValueError, match="2 greedy flags"):
         generate_completions(model, tokenizer, asks + asks, eos_ids=eos, max_new_tokens=4, greedy=[True, False])
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampling_draws_what_generates_own_warpers_draw(tiny, top_p):
+    """Temperature and top-p moved into _TemperedSampling: with one seed, the same tokens as generate() given
+    temperature and top_p itself (the draws did not change when the sampler began recording log-probs)."""
+    model, tokenizer = tiny
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    chunk = group_prompts(tokenizer, 3)
+    enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(5)
+    hf = model.generate(**enc, do_sample=True, temperature=0.7, top_p=top_p, top_k=0, max_new_tokens=10,
+                        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, repetition_penalty=1.0)
+    torch.manual_seed(5)
+    ours = generate_completions(model, tokenizer, chunk, eos_ids=eos, max_new_tokens=10, temperature=0.7,
+                                top_p=top_p, share_prefill=False)
+    for row, c in zip(hf[:, enc.input_ids.shape[1]:], ours):
+        assert row[:len(c.completion_ids)].tolist() == c.completion_ids.tolist()
+
+
+@pytest.mark.parametrize("share_prefill", [False, True])
+def test_sampler_logprobs_are_the_updates_logprobs_of_the_drawn_tokens(tiny, share_prefill):
+    """Each sampled token's recorded log-prob is log_softmax(logits / T) of that token, what the update's
+    forward computes (forwards.token_logprobs): same weights, fp32, so equal to float rounding. Top-p does not
+    enter it (it is the tempered distribution's, as the update's); greedy rows in the call get none."""
+    model, tokenizer = tiny
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    sampled = group_prompts(tokenizer, 2)
+    torch.manual_seed(3)
+    outs = generate_completions(model, tokenizer, sampled + sampled[:1], eos_ids=eos, max_new_tokens=12,
+                                temperature=0.7, top_p=0.9, greedy=[False] * len(sampled) + [True],
+                                share_prefill=share_prefill)
+    ids, attn, cmask = rollout.pack(outs[:len(sampled)], tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        trainer = forwards.token_logprobs(model, ids, attn, cmask, micro_batch=8, temperature=0.7)[0]
+    for row, c in enumerate(outs[:len(sampled)]):
+        assert c.sampler_logps.shape == c.completion_ids.shape and (c.sampler_logps <= 0).all()
+        torch.testing.assert_close(c.sampler_logps, trainer[row, :len(c.completion_ids)], atol=2e-5, rtol=0)
+    assert sum(len(c.completion_ids) for c in outs[:len(sampled)]) > 2 * len(sampled)
+    greedy_only = generate_completions(model, tokenizer, sampled[:1], eos_ids=eos, max_new_tokens=4, greedy=True)
+    assert greedy_only[0].sampler_logps is None
 
 
 # ------------------------------------------------------------------ rows-first linear layers (CPU decoding)

@@ -51,7 +51,8 @@ def test_two_full_steps_update_the_model_and_log_every_documented_key(tiny_model
     optional = {k for k in documented if k.startswith(("eval_", "time_eval", "distill_", "self_distill_",  # options
                                                          "feedback_model_", "reward_failures", "compile",  # off
                                                          "relevance_score_p", "relevance_family",  # measured
-                                                         "relevance_precision", "relevance_recall"))}  # only
+                                                         "relevance_precision", "relevance_recall",  # only
+                                                         "sampler_is_capped"))}  # bf16-mixed
     per_step = documented - per_kind - optional
     assert per_step <= set(records[0]), per_step - set(records[0])
     assert "eval_accuracy" in records[1]
@@ -184,20 +185,39 @@ def test_overlong_prompts_stop_the_run_or_are_skipped(tiny_model_dir, tmp_path, 
     assert "skipped 1 rows" in out and "'prompt_too_long': 1" in out
 
 
-def test_bf16_mixed_precision_trains(tiny_model_dir, tmp_path, graded_by_parity):
-    """bf16-mixed computes the update in bf16 (autocast): the same rollouts as fp32 at step 1, a gradient that
-    differs from fp32's by bf16 rounding only (measured: relative 5e-4), and fp32 master weights."""
+def test_bf16_mixed_precision_trains(tiny_model_dir, tmp_path, graded_by_parity, monkeypatch):
+    """bf16-mixed: the update under bf16 autocast with fp32 master weights (a gradient that differs from fp32's
+    by bf16 rounding), sampling under bf16 autocast too, from the fp32 masters (no copy to refresh), its
+    mismatch to the update logged and corrected (TIS). fp32 samples without autocast: a mismatch of float
+    rounding, no correction."""
     from accelerate.state import AcceleratorState
 
-    _, records = run(tiny_model_dir, tmp_path, "--dtype", "bf16-mixed")
+    sampled = []
+    real = lanpo.generate_completions
+
+    def recorded(model, *args, **kwargs):
+        sampled.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                        {p.dtype for p in model.parameters()}))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(lanpo, "generate_completions", recorded)
+    _, records = run(tiny_model_dir, tmp_path, "--dtype", "bf16-mixed", "--eval-every", "0")
     AcceleratorState._reset_state(reset_partial_state=True)  # the next run's mixed precision differs
-    _, fp32 = run(tiny_model_dir, tmp_path / "fp32", "--dtype", "fp32")
-    assert records[0]["reward_mean"] == fp32[0]["reward_mean"]
-    assert records[0]["grad_norm"] == pytest.approx(fp32[0]["grad_norm"], rel=1e-2)
-    assert records[0]["grad_norm"] != pytest.approx(fp32[0]["grad_norm"], rel=1e-6)  # autocast did run
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["dtype"] == "bf16-mixed"
+    assert sampled == [(True, torch.bfloat16, {torch.float32})] * 2
     before, after = _params(tiny_model_dir), _params(tmp_path / "run" / "final")
     assert all(v.dtype == torch.float32 for v in after.values())  # master weights stay fp32
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    for r in records:
+        assert 0 < r["sampler_kl"] < 1e-2 and r["sampler_ratio_p01"] <= 1 <= r["sampler_ratio_p99"]
+        assert r["sampler_is_capped"] == 0.0
+    sampled.clear()
+    _, fp32 = run(tiny_model_dir, tmp_path / "fp32", "--dtype", "fp32", "--eval-every", "0")
+    assert [autocast for autocast, _, _ in sampled] == [False, False]
+    assert records[0]["grad_norm"] == pytest.approx(fp32[0]["grad_norm"], rel=5e-2)
+    assert records[0]["grad_norm"] != pytest.approx(fp32[0]["grad_norm"], rel=1e-6)  # autocast did run
+    for r in fp32:
+        assert r["sampler_kl"] < 1e-9 and "sampler_is_capped" not in r
 
 
 def test_a_finished_run_is_never_overwritten(tiny_model_dir, tmp_path, graded_by_parity):
