@@ -77,7 +77,7 @@ class RowsFirstLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if (torch.is_grad_enabled() or rows > self.max_rows or x.device.type != "cpu"
-                or self.weight.dtype not in (torch.float32, torch.bfloat16)):
+                or self.weight.dtype != torch.float32):
             return super().forward(x)
         columns = x.reshape(rows, x.shape[-1])
         if rows == 1:
