@@ -913,7 +913,9 @@ def setup(cfg: Config) -> Run:
     on_gpu = torch.cuda.is_available() and not cfg.cpu
     sharded = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") or parse_flag_from_env("ACCELERATE_USE_FSDP")
     resolved, why = resolve_dtype(cfg.dtype, on_gpu, cpu.native_bf16(), sharded)
-    cfg = dataclasses.replace(cfg, dtype=resolved)  # config.json records what the run computes in
+    # the run computes in `resolved`; its settings (config.json, the resume and ablate checks) keep what was
+    # asked, so that `auto` resumes as `auto`
+    asked, cfg = cfg, dataclasses.replace(cfg, dtype=resolved)
     # step_scheduler_with_optimizer=False: accelerate would otherwise step the LR schedule once per process
     # per update (it assumes a dataloader whose batches grew with the process count)
     accelerator = Accelerator(cpu=cfg.cpu, step_scheduler_with_optimizer=False,
@@ -928,7 +930,7 @@ def setup(cfg: Config) -> Run:
                           "gradient checkpointing drops and FSDP2 frees")
         cfg = dataclasses.replace(cfg, share_prompt_forward=False)
     out_dir = Path(cfg.out_dir)
-    resume_from = rundir.check_out_dir(cfg, out_dir)
+    resume_from = rundir.check_out_dir(dataclasses.replace(cfg, dtype=asked.dtype), out_dir)
     rundir.check_wandb(cfg)
     rundir.check_tensorboard(cfg)
     models.check_available(cfg.model)
@@ -953,7 +955,7 @@ def setup(cfg: Config) -> Run:
     if accelerator.is_main_process:
         rundir.claim(out_dir)  # every check passed: the run may write, and no other run may
         # a run that claimed and finished while this one loaded its data left what the first check did not see
-        if rundir.check_out_dir(cfg, out_dir) != resume_from:
+        if rundir.check_out_dir(dataclasses.replace(cfg, dtype=asked.dtype), out_dir) != resume_from:
             raise SystemExit(f"{out_dir} changed while this run started (another run wrote it): nothing was changed")
     out_dir.mkdir(parents=True, exist_ok=True)
     previous_sigint = (signal.signal(signal.SIGINT, rundir.interrupted(out_dir))
@@ -991,7 +993,7 @@ def setup(cfg: Config) -> Run:
                 rundir.truncate_metrics(out_dir / name, start_step)
             else:  # a new run, or one that stopped before its first checkpoint started again in its place
                 (out_dir / name).unlink(missing_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg) | {"dtype": asked.dtype}, indent=2))
     wandb_run = rundir.start_wandb(cfg, accelerator)
     tensorboard = rundir.start_tensorboard(cfg, accelerator)
     math_grader.warm_up()
