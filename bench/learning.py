@@ -10,6 +10,7 @@ Per-problem verdicts are kept, so any other comparison can be made later.
 
     python bench/learning.py                          # GRPO vs LANPO, 3 seeds, 8 steps, 256 held-out (~1 h)
     python bench/learning.py --seeds 0 --steps 2 --eval-size 32 --out-dir runs/bench/smoke   # smoke run
+    python bench/learning.py --arms grpo-fp32 grpo-bf16-mixed --out-dir runs/bench/precision-learning  # ~50 min
     python bench/learning.py --arms grpo lanpo lanpo-raw lanpo-gamma0 --eval-size 121 --lr 1e-4 -- \
         --dataset synthetic:rules --levels 1-2 --model qwen2.5-coder-1.5b --dtype bf16 --lora-rank 16
 An interrupted benchmark continues where it stopped when run again with the same --out-dir: finished
@@ -46,6 +47,9 @@ ARMS = {  # name -> the flags that make it (on top of the common ones)
     "lanpo-raw": ["--feedback", "both", "--abstract-mode", "raw"],
     "lanpo-gamma0": ["--feedback", "both", "--relevance-threshold", "0"],
     "leak-gold": ["--feedback", "reflect", "--reflect-mode", "with-gold"],  # the labelled upper bound
+    # precision: the same GRPO in fp32 and in bf16-mixed (both final models evaluated alike, in the common dtype)
+    "grpo-fp32": ["--feedback", "none", "--dtype", "fp32"],
+    "grpo-bf16-mixed": ["--feedback", "none", "--dtype", "bf16-mixed"],
 }
 
 

@@ -121,3 +121,54 @@ def test_bootstrap_p_counts_replicates_at_zero_half_to_each_side():
     d = stats.paired_difference([[1, 0, 0, 0, 0, 0, 0, 0]], [[1, 1, 1, 0, 0, 0, 0, 0]])
     assert d["diff"] == -0.25 and d["high"] == 0.0
     assert d["p"] == pytest.approx(0.75 ** 8, abs=0.01)
+
+
+def test_a_group_of_one_problem_is_a_group_and_group_counts_must_match():
+    assert stats.interval([[1.0], [0.0, 1.0]])[0] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="^bootstrap needs at least one group and no empty group$"):
+        stats.interval([[1.0], []])
+    with pytest.raises(ValueError, match="^group 0: 3 scores in A but 2 in B; a paired comparison needs the same "
+                                         "problems on both sides$"):
+        stats.paired_difference([[1, 0, 1]], [[1, 0]])
+    with pytest.raises(ValueError):  # two seeds' problems against one: not a pairing
+        stats.paired_difference([[1, 0], [1, 1]], [[1, 0]])
+    with pytest.raises(ValueError):
+        stats.paired_seed_difference([[1, 0], [1, 1], [0, 0]], [[1, 0], [1, 1]])
+
+
+def test_the_same_seed_gives_the_same_interval_and_another_seed_other_draws():
+    """Reproducible: a result printed in a table can be recomputed exactly; the seed reaches the draws."""
+    rng = np.random.default_rng(0)
+    a, b = [rng.random(40).tolist() for _ in range(3)], [rng.random(40).tolist() for _ in range(3)]  # avg@k-like
+    assert stats.interval(a) == stats.interval(a) and stats.interval(a, seed=3) != stats.interval(a)
+    assert stats.paired_difference(a, b) == stats.paired_difference(a, b)
+    assert stats.paired_difference(a, b, seed=3) != stats.paired_difference(a, b)
+    slow, fast = rng.normal(10, 1, 10).tolist(), rng.normal(5, 1, 10).tolist()
+    assert stats.median_ratio_interval(slow, fast) == stats.median_ratio_interval(slow, fast)
+    assert stats.median_ratio_interval(slow, fast, seed=3) != stats.median_ratio_interval(slow, fast)
+
+
+def test_bootstrap_p_counts_zeros_half_to_each_side_in_both_directions():
+    """The mirror of the case above: A solves 2 of 8 problems B misses; p = (6/8)^8 again."""
+    d = stats.paired_difference([[1, 1, 1, 0, 0, 0, 0, 0]], [[1, 0, 0, 0, 0, 0, 0, 0]])
+    assert d["diff"] == 0.25 and d["low"] == 0.0
+    assert d["p"] == pytest.approx(0.75 ** 8, abs=0.01)
+
+
+def test_paired_seed_difference_level_and_constant_differences():
+    """Every seed's difference the same: no spread, so the interval is that value and p is 0 (or 1 when it is
+    0); a lower level gives a narrower interval."""
+    same = stats.paired_seed_difference([[1, 0]] * 3, [[1, 0]] * 3)
+    assert (same["diff"], same["low"], same["high"], same["p"]) == (0.0, 0.0, 0.0, 1.0)
+    shifted = stats.paired_seed_difference([[1, 0]] * 3, [[0, 0]] * 3)
+    assert (shifted["diff"], shifted["low"], shifted["high"], shifted["p"]) == (0.5, 0.5, 0.5, 0.0)
+    a, b = [[1, 1, 0], [1, 0, 0], [1, 1, 1]], [[0, 1, 0], [1, 0, 0], [0, 0, 1]]
+    wide, narrow = stats.paired_seed_difference(a, b), stats.paired_seed_difference(a, b, level=0.8)
+    assert narrow["diff"] == wide["diff"] and wide["low"] < narrow["low"] < narrow["high"] < wide["high"]
+
+
+def test_median_ratio_interval_is_the_2_5_and_97_5_percentiles():
+    """Medians of resamples of an odd grid of values land on grid points: the 2.5th and 97.5th percentiles of
+    the ratio are these grid points for every seed tried (0-4), and the 3.5th or 98.5th are others."""
+    assert stats.median_ratio_interval(np.linspace(1, 3, 51), [1.0]) == pytest.approx((1.72, 2.28))
+    assert stats.median_ratio_interval(np.linspace(1, 3, 41), [1.0]) == pytest.approx((1.70, 2.30))
