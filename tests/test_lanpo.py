@@ -562,6 +562,28 @@ def test_principles_are_cached_and_refreshed(tiny):
             == "1. Add [answer removed] apples, not 17")
 
 
+def test_no_box_and_no_stated_answer_survives_cleaning():
+    """Boxes back to back, a box inside a box followed by another, an unclosed box before more lines, and
+    "answer is" in any case: each answer removed, nothing else."""
+    clean = abstract.clean_principles
+    assert clean("\\boxed{1}\\boxed{2} end") == "[answer removed][answer removed] end"
+    assert clean("a \\boxed{\\boxed{1}} b \\boxed{2}") == "a [answer removed] b [answer removed]"
+    assert clean("\\boxed{12\nkeep this\nand this") == "[answer removed]\nkeep this\nand this"
+    assert (clean("The Answer Is 42. THE ANSWER WAS 7")
+            == "The Answer Is [answer removed]. THE ANSWER WAS [answer removed]")
+
+
+def test_best_trial_is_the_newest_correct_else_the_newest():
+    """Newest first, as the pool keeps them: a correct older trial beats a wrong newer one; a partial reward
+    (a --reward function's 0.5) counts as correct; with none correct, the newest."""
+    def trial(reward, step):
+        return Trial("p", "q", "scratch", "", f"step {step}", reward, step)
+
+    assert abstract.best_trial([trial(0.0, 3), trial(1.0, 2), trial(1.0, 1)]).step == 2
+    assert abstract.best_trial([trial(0.0, 3), trial(0.5, 2)]).step == 2
+    assert abstract.best_trial([trial(0.0, 3), trial(0.0, 2)]).step == 3
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 
 def _run(tiny_model_dir, out, *extra):
