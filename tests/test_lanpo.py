@@ -18,6 +18,7 @@ import lanpo
 import prompts
 import reflect
 from pool import EmbeddingIndex, ExperiencePool, Trial
+from rollout import Completion
 
 LABEL_WORDS = re.compile(r"\b(correct|incorrect|right|wrong|reward|score|gold|true|false|verified|answer is)\b", re.I)
 
@@ -461,6 +462,66 @@ def test_no_candidate_is_the_query_in_other_words_in_the_no_filter_ablation(tiny
     twins = [(p["id"], t.problem_id) for (p, _), kept in zip(pending.todo, pending.kept) for t in kept
              if key[t.problem_id] == key[p["id"]]]
     assert twins == []
+
+
+def test_principles_requests_counts_and_timings_as_stated(tiny):
+    """Principles made for real by the tiny model, gamma 0: every judged problem's request shows its own problem
+    and shortened experiences without the worked example; principles are greedy (the same under two seeds) and
+    within --abstract-max-tokens; counts add up over problems; timings are real durations; raw mode asks for
+    no principles."""
+    import time
+
+    model, tokenizer = tiny
+    long = "First add the apples one by one, then count them all again carefully. " * 4 + "\\boxed{42}"
+    pool = ExperiencePool()
+    pool.add([trial(f"o{i}", f"Tom has {i} apples and gets {i + 1} more.", long, 1.0) for i in range(3)])
+    problems = [{"id": "a", "problem": "Tom has 7 apples and gets 8 more."},
+                {"id": "b", "problem": "Tom has 9 apples and gets 2 more."},
+                {"id": "c1", "problem": "Ann has 1 pear."}, {"id": "c2", "problem": "Ann has 2 pears."},
+                {"id": "e1", "problem": "Bo has 1 fig."}, {"id": "e2", "problem": "Bo has 2 figs."}]
+    cache = {"c1": {"step": 1, "lessons": "x"}, "c2": {"step": 1, "lessons": "y"},
+             "e1": {"step": 1, "lessons": ""}, "e2": {"step": 1, "lessons": ""}}
+    cfg = lanpo.Config(abstract_candidates=2, relevance_threshold=0.0, attempt_tokens=8, abstract_max_tokens=6)
+    t0 = time.perf_counter()
+    pending = abstract.prepare_lessons(model, tokenizer, pool, problems, dict(cache), 2, cfg)
+    elapsed = time.perf_counter() - t0
+    s = pending.stats
+    assert (s.cached, s.cached_empty, s.candidates) == (2, 2, 4) and pending.lessons == {"c1": "x", "c2": "y"}
+    assert [a for a, _ in s.pairs] == ["a", "a", "b", "b"]
+    assert 0 <= s.time_retrieval <= elapsed and 0 <= s.time_relevance <= elapsed
+    assert len(pending.requests) == 2
+    for (p, _), request in zip(pending.todo, pending.requests):
+        assert p["problem"] in request and prompts.ONE_SHOT[1]["content"] not in request
+    for kept in pending.kept:
+        assert all(t.response == reflect.shorten(long, tokenizer, 8) != long for t in kept)  # shortened
+    judged = abstract.prepare_lessons(model, tokenizer, pool, problems[:2], {}, 2,
+                                      dataclasses.replace(cfg, relevance_threshold=1e-6))  # every score passes
+    assert len(judged.stats.scores) == 4
+    assert [[t.problem_id for t in k] for k in judged.kept] == [[t.problem_id for t in sh] for _, sh in judged.todo]
+    raw_cfg = dataclasses.replace(cfg, abstract_mode="raw")
+    raw = abstract.prepare_lessons(model, tokenizer, pool, problems, {}, 2, raw_cfg)
+    assert raw.requests == [] and len(raw.todo) == 6
+    made = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        lessons, stats = abstract.lessons_for(model, tokenizer, pool, problems[:2], {}, 2, cfg, [0])
+        assert 0 <= stats.time_abstraction <= time.perf_counter() - t0
+        assert len(stats.principles_tokens) == 2 and all(0 < n <= 6 for n in stats.principles_tokens)
+        made.append(lessons)
+    assert made[0] == made[1]
+
+
+def test_principles_lose_the_shown_answers_and_an_irrelevant_verdict_is_cached_empty():
+    shown = [trial("o1", "Tom has 3 apples and gets 4 more.", "3 + 4 = 19, so \\boxed{19}", 1.0)]
+    todo = [({"id": "a", "problem": "Tom has 5 apples."}, shown), ({"id": "b", "problem": "Ann has 1 pear."}, shown)]
+    pending = abstract.PendingLessons({}, todo, [shown, []], ["request"], abstract.AbstractionStats())
+    out = Completion(torch.tensor([1]), torch.tensor([5, 6, 7]), False, "Count on: the total was 19.")
+    cache = {}
+    lessons = abstract.finish_lessons(pending, [out], cache, 3, "principles")
+    assert lessons == {"a": "Count on: the total was [answer removed]."}
+    assert cache == {"a": {"step": 3, "lessons": lessons["a"]}, "b": {"step": 3, "lessons": ""}}
+    assert pending.stats.principles_tokens == [3] and pending.stats.made == 1
 
 
 def test_threshold_filters_as_stated(tiny):
