@@ -929,8 +929,9 @@ def setup(cfg: Config) -> Run:
         accelerator.print("--share-prompt-forward is off: it needs a KV cache through the backward pass, which "
                           "gradient checkpointing drops and FSDP2 frees")
         cfg = dataclasses.replace(cfg, share_prompt_forward=False)
+    settings = dataclasses.replace(cfg, dtype=asked.dtype)  # what config.json records and resume compares
     out_dir = Path(cfg.out_dir)
-    resume_from = rundir.check_out_dir(dataclasses.replace(cfg, dtype=asked.dtype), out_dir)
+    resume_from = rundir.check_out_dir(settings, out_dir)
     rundir.check_wandb(cfg)
     rundir.check_tensorboard(cfg)
     models.check_available(cfg.model)
@@ -955,7 +956,7 @@ def setup(cfg: Config) -> Run:
     if accelerator.is_main_process:
         rundir.claim(out_dir)  # every check passed: the run may write, and no other run may
         # a run that claimed and finished while this one loaded its data left what the first check did not see
-        if rundir.check_out_dir(dataclasses.replace(cfg, dtype=asked.dtype), out_dir) != resume_from:
+        if rundir.check_out_dir(settings, out_dir) != resume_from:
             raise SystemExit(f"{out_dir} changed while this run started (another run wrote it): nothing was changed")
     out_dir.mkdir(parents=True, exist_ok=True)
     previous_sigint = (signal.signal(signal.SIGINT, rundir.interrupted(out_dir))
@@ -993,7 +994,7 @@ def setup(cfg: Config) -> Run:
                 rundir.truncate_metrics(out_dir / name, start_step)
             else:  # a new run, or one that stopped before its first checkpoint started again in its place
                 (out_dir / name).unlink(missing_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg) | {"dtype": asked.dtype}, indent=2))
+        (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(settings), indent=2))
     wandb_run = rundir.start_wandb(cfg, accelerator)
     tensorboard = rundir.start_tensorboard(cfg, accelerator)
     math_grader.warm_up()

@@ -167,8 +167,8 @@ def add_loss(stats: dict, name: str, value: float) -> None:
 
 def sampler_weights(f: Forward, mb: MicroBatch, cfg) -> torch.Tensor | None:
     """Truncated importance weights min(pi_old / pi_sampler, C) per token (TIS) of the rows trained on the prompt
-    they were sampled with, under --dtype bf16-mixed: the sampler (a bf16 copy of the weights, or a decoding
-    step under autocast) and the update compute the same policy in other precision, and the tokens were drawn
+    they were sampled with, under --dtype bf16-mixed: the sampler (cached decoding under bf16 autocast) and the
+    update (a full forward under bf16 autocast) round the same policy differently, and the tokens were drawn
     from the sampler's. None (weight 1) under other dtypes, with --sampler-is-cap 0, or without sampler
     log-probs. Keeps the tokens' log ratios on `mb` for the mismatch metrics (`sampler_mismatch`)."""
     if mb.sampler_logps is None:
