@@ -1,5 +1,6 @@
 """Problems to train and evaluate on: built-in procedural generators (`synthetic:arith`, the embedded
-default; `synthetic:rules`, hidden-rule families where experience must help), the benchmark files that ship
+default; `synthetic:rules`, hidden-rule families where experience must help, and `synthetic:rules-menu`, the
+same with the candidate rules listed so that chance successes teach GRPO too), the benchmark files that ship
 in the repository's data/ by name (`math500`, `aime24`, `gsm8k`, `math_train`, ...; data/README.md gives each
 one's source and licence), local .jsonl/.jsonl.gz/.json/.csv files, and parquet files or hub datasets through
 `datasets`.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import functools
 import gzip
 import json
 import random
@@ -127,6 +129,7 @@ RULE_OPERANDS = {1: (2, 9), 2: (10, 19), 3: (20, 49)}  # level -> both operands'
 RULE_TEMPLATES = ("What is the {family} of {a} and {b}?", "Compute the {family} of {a} and {b}.",
                   "Find the {family} of {a} and {b}.")
 ONE_SHOT_ANSWER = "7"  # prompts.ONE_SHOT's answer: no synthetic:rules problem has it (every prompt shows it)
+MENU_NUMBERS = {n for formula in RULE_FORMULAS for n in re.findall(r"\d+", formula)}  # shown in every menu
 
 
 def rule_families(seed: int) -> dict[str, str]:
@@ -135,7 +138,8 @@ def rule_families(seed: int) -> dict[str, str]:
     return dict(zip(RULE_FAMILIES, formulas))
 
 
-def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_size: int = 2000) -> list[dict]:
+def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_size: int = 2000, *,
+                    menu: bool = False) -> list[dict]:
     """`size` hidden-rule problems ("What is the grand zorp of 7 and 3?"): a positive control for learning
     from experience, not evidence about math. Every split draws from the same families (rule_families(seed)),
     as evenly as `size` allows, so held-out problems are new members of training families: a solved member
@@ -146,15 +150,21 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
     Guards: no two problems of a split share an answer within a family (so no family repeats its operands,
     in either order), no held-out answer is the answer of any of the first `train_size` train problems of the
     same seed (the pool a held-out problem is shown holds training problems only), and none is the worked
-    example's answer. A held-out problem's answer can still appear as an operand of another problem."""
+    example's answer. A held-out problem's answer can still appear as an operand of another problem.
+    `menu` (synthetic:rules-menu) puts all eight formulas before each question, in an order drawn apart from
+    the family ("The zorp of a and b is one of: a * b - 1; 10 * a + b; ... What is the zorp of 7 and 3?"):
+    the text still does not say which rule is the family's, but a guess among the listed ones is right about
+    one time in eight, so GRPO alone can learn the task from chance successes. No answer is a number of the
+    menu (MENU_NUMBERS), and the draws differ from synthetic:rules' (other problems, the same families)."""
     for level in levels:
         if level not in RULE_OPERANDS:
             raise SystemExit(f"--levels: synthetic:rules has levels 1-{RULES_LEVELS}, got {level}")
     rules = rule_families(seed)
-    forbidden = {ONE_SHOT_ANSWER}
+    forbidden = {ONE_SHOT_ANSWER} | (MENU_NUMBERS if menu else set())
     if split != "train":
-        forbidden |= {r["answer"] for r in synthetic_rules("train", train_size, seed, levels)}
+        forbidden |= {r["answer"] for r in synthetic_rules("train", train_size, seed, levels, menu=menu)}
     rng = random.Random(f"rules-{split}-{seed}")
+    menu_rng = random.Random(f"rules-menu-{split}-{seed}")  # its own draws: the menu's order says nothing
     order = rng.sample(RULE_FAMILIES, len(RULE_FAMILIES))
     taken: dict[str, set[str]] = {family: set() for family in RULE_FAMILIES}
     rows = []
@@ -172,6 +182,9 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
                              f"{family!r} has no unused answer left; ask for fewer, or add harder levels")
         taken[family].add(answer)
         text = rng.choice(RULE_TEMPLATES).format(family=family, a=a, b=b)
+        if menu:
+            listed = "; ".join(menu_rng.sample(sorted(RULE_FORMULAS), len(RULE_FORMULAS)))
+            text = f"The {family} of a and b is one of: {listed}. {text}"
         worked = re.sub(r"\b[ab]\b", lambda m: str({"a": a, "b": b}[m.group()]), rules[family])
         solution = f"The {family} of {a} and {b} is {worked} = {answer}. The answer is \\boxed{{{answer}}}."
         rows.append({"id": f"rules-{split}-{n:05d}", "problem": text, "answer": answer, "level": level,
@@ -179,7 +192,8 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
     return rows
 
 
-SYNTHETIC = {"synthetic:arith": (synthetic_arith, ARITH_LEVELS), "synthetic:rules": (synthetic_rules, RULES_LEVELS)}
+SYNTHETIC = {"synthetic:arith": (synthetic_arith, ARITH_LEVELS), "synthetic:rules": (synthetic_rules, RULES_LEVELS),
+             "synthetic:rules-menu": (functools.partial(synthetic_rules, menu=True), RULES_LEVELS)}
 
 _SPACING = re.compile(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|\s+")
 _LAYOUT = re.compile(r"\\(?:left|right|displaystyle)(?![a-zA-Z])|[${}.,;:!?]")

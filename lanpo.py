@@ -94,7 +94,9 @@ class Config:
                                     "of the adapted weights while sampling")
     # --- data
     dataset: str = _f("synthetic:arith", "synthetic:arith (built-in); synthetic:rules (built-in hidden-rule "
-                      "families: a positive control where experience must help); a benchmark name shipped in "
+                      "families: a positive control where experience must help); synthetic:rules-menu (the same "
+                      "with the eight candidate rules listed, so a guess is right one time in eight and GRPO "
+                      "can learn from chance successes); a benchmark name shipped in "
                       "data/ (math_train, "
                       "gsm8k_train, math500, aime24, aime25, amc23, gsm8k, math); a .jsonl/.jsonl.gz/.json/.csv/"
                       ".parquet file; or a hub dataset")
@@ -102,7 +104,7 @@ class Config:
                        "empty = the repository's data/", evaluation=True)
     split: str = _f("train", "split of a hub dataset (and of the synthetic generators)")
     levels: str = _f("1-3", "synthetic difficulty levels, e.g. 1-3 or 1,2,5: synthetic:arith 1 (easiest) to 6, "
-                     "synthetic:rules 1-3 (operands 2-9, 10-19, 20-49)",
+                     "synthetic:rules(-menu) 1-3 (operands 2-9, 10-19, 20-49)",
                      evaluation=True)
     train_size: int = _f(0, "keep the first N rows of a dataset file or hub split (0 = all)")
     synthetic_size: int = _f(48, "training problems a synthetic generator makes; few, so problems recur and "

@@ -54,7 +54,8 @@ SETTINGS = ("model", "dtype", "seed", "dataset", "data_dir", "split", "levels", 
 
 
 def family_of(row: dict) -> str | None:
-    """A problem's family: synthetic:rules' rule name, synthetic:arith's operations ('+', '* +', ...), else None."""
+    """A problem's family: synthetic:rules' rule name (and -menu's), synthetic:arith's operations ('+', '* +',
+    ...), else None."""
     if "family" in row:
         return row["family"]
     if "content" in row:
@@ -220,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     family.update({pid: family.get(pid) for pid in pool.trials})  # a saved pool's problems may be other rows
     if args.judge_only:
         if not any(family_of(r) is not None for r in eval_rows):
-            raise SystemExit(f"--judge-only: {cfg.dataset} has no families to judge against (synthetic:rules has)")
+            raise SystemExit(f"--judge-only: {cfg.dataset} has no families to judge against (synthetic:rules and "
+                             "synthetic:rules-menu have)")
         judge = judge_report(model, tokenizer, eval_rows, pool, shown_trials(pool, tokenizer, cfg.attempt_tokens),
                              family, cfg)
         print(f"{cfg.model} on {cfg.dataset}: relevance judge, {judge['candidates']} retrieved candidates "
