@@ -382,7 +382,7 @@ def read_hub(dataset_id: str, split: str) -> list[tuple[str, dict]]:
 
 
 def validate_rows(records: list[tuple[str, dict]], source: str, id_field: str, problem_field: str,
-                  answer_field: str, skip_bad: bool = False) -> tuple[list[dict], Counter]:
+                  answer_field: str, skip_bad: bool) -> tuple[list[dict], Counter]:
     """Rows as {id, problem, answer} strings. A row with a missing, empty or non-string problem or answer
     (numbers are accepted as answers), a repeated id, or a repeated problem (the same `problem_key`: text up to
     whitespace and LaTeX spacing) stops the run with a message naming source and row, or, with `skip_bad`, is

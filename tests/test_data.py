@@ -52,9 +52,11 @@ def test_synthetic_levels_that_run_out_are_no_longer_drawn():
     # example every prompt shows): 88 distinct problems
     big = data.synthetic_arith("train", 400, seed=0, levels=[1, 2])
     assert sum(r["level"] == 1 for r in big) == 88 and len({arithmetic(r["problem"]) for r in big}) == 400
-    with pytest.raises(SystemExit, match="unseen in training at levels"):
+    with pytest.raises(SystemExit, match=r"^synthetic:arith cannot make 10 distinct test problems unseen in training "
+                                         r"at levels \[1\]: ask for fewer, or add harder levels \(more distinct "
+                                         r"problems\)$"):
         data.synthetic_arith("test", 10, seed=0, levels=[1], train_size=88)  # every level-1 problem trained on
-    with pytest.raises(SystemExit, match="distinct train problems"):
+    with pytest.raises(SystemExit, match=r"^synthetic:arith cannot make 89 distinct train problems at levels \[1\]: "):
         data.synthetic_arith("train", 89, seed=0, levels=[1])
     with pytest.raises(SystemExit, match="levels 1-6"):
         data.synthetic_arith("train", 10, seed=0, levels=[7])
@@ -258,3 +260,109 @@ def test_training_drops_or_refuses_problems_that_are_held_out_ones(tmp_path):
     _, _, skipped = lanpo.load_rows(lanpo.Config(dataset="math_train", skip_bad_rows=True, eval_dataset="math500",
                                                  eval_size=0))
     assert skipped == {"duplicate_problem": 2, "twin_of_held_out": 5}
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("rows.txt", b"problem,answer\n", r"rows.txt: unsupported file type \.txt: use \.jsonl, \.jsonl\.gz, \.json, "
+                                      r"\.parquet, \.csv$"),
+    ("rows", b"x", r"rows: unsupported file type \(none\): use \.jsonl, "),
+    ("empty.jsonl", b"", r"empty.jsonl: the file is empty$"),
+    ("latin.csv", "problem,answer\nCaf\u00e9,1\n".encode("latin-1"), r"latin.csv: not a readable UTF-8 CSV file \("),
+    ("cut.jsonl.gz", b"\x1f\x8b\x08\x00 not gzip", r"cut.jsonl.gz: not a readable gzip file \("),
+    ("bad.json", b'[{"problem": "p"', r"bad.json: not valid UTF-8 JSON \("),
+    ("scalars.json", b"[1, 2]", r"scalars.json: expected a JSON list of objects$"),
+    ("object.json", b'{"problem": "p", "answer": "1"}', r"object.json: expected a JSON list of objects$"),
+    ("bad.parquet", b"PAR1 not parquet", r"bad.parquet: cannot be loaded: ArrowInvalid: Parquet magic bytes not found"),
+])
+def test_every_unreadable_file_stops_with_one_line_that_names_it(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(SystemExit, match=re.escape(str(tmp_path)) + "/" + message):
+        data.load_problems(str(path), "train")
+
+
+def test_blank_lines_quoted_line_breaks_and_parquet_files_are_read_whole(tmp_path):
+    """A blank line inside a .jsonl file is skipped, not its end; a CSV field keeps the line break inside its
+    quotes as written ("\\r\\n"); a parquet file reads every row through `datasets`, named by row."""
+    path = tmp_path / "gaps.jsonl"
+    path.write_text('{"id": "a", "problem": "P?", "answer": "1"}\n\n   \n{"id": "b", "problem": "Q?", "answer": "2"}\n')
+    assert [r["id"] for r in data.load_problems(str(path), "train")[0]] == ["a", "b"]
+    path = tmp_path / "breaks.csv"
+    path.write_bytes(b'id,problem,answer\r\nc,"Line one\r\nline two?",3\r\n')
+    assert data.load_problems(str(path), "train")[0] == [{"id": "c", "problem": "Line one\r\nline two?", "answer": "3"}]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"id": ["d", "e"], "problem": ["R?", "S?"], "answer": ["4", "5"]}), path)
+    assert data.read_records(str(path), "test") == [("row 0", {"id": "d", "problem": "R?", "answer": "4"}),
+                                                    ("row 1", {"id": "e", "problem": "S?", "answer": "5"})]
+
+
+def test_a_hub_data_set_is_checked_then_loaded_by_its_id_and_split(monkeypatch):
+    """owner/name and hub:<id> reach the hub as that id, with the asked split; a failing load is one line."""
+    import datasets
+
+    import hub
+
+    asked = []
+    monkeypatch.setattr(hub, "require", lambda *a: asked.append(("require", *a)))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: asked.append(("load", a, k)) or
+                        [{"id": "h", "problem": "H?", "answer": "6"}])
+    assert data.load_problems("someone/problems", "validation")[0] == [{"id": "h", "problem": "H?", "answer": "6"}]
+    assert data.load_problems("hub:math500", "test")[0] == [{"id": "h", "problem": "H?", "answer": "6"}]
+    assert asked == [("require", "someone/problems", "dataset", "--dataset", "README.md"),
+                     ("load", ("someone/problems",), {"split": "validation"}),
+                     ("require", "math500", "dataset", "--dataset", "README.md"),
+                     ("load", ("math500",), {"split": "test"})]
+
+    def unreachable(*a, **k):
+        raise ConnectionError("no route to host")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(SystemExit, match=r"^someone/problems: cannot be loaded: ConnectionError: no route to host$"):
+        data.load_problems("someone/problems", "train")
+
+
+def test_a_file_with_no_rows_or_without_the_asked_columns_is_named(tmp_path):
+    path = tmp_path / "none.json"
+    path.write_text("[]")
+    with pytest.raises(SystemExit, match=r"none.json: no rows$"):
+        data.load_problems(str(path), "train")
+    path = tmp_path / "cols.jsonl"
+    path.write_text('{"q": "P?", "a": "1"}\n')
+    with pytest.raises(SystemExit, match=r"cols.jsonl: no column 'problem' \(--problem-field\); columns are \['a', "
+                                         r"'q'\]$"):
+        data.load_problems(str(path), "train")
+    with pytest.raises(SystemExit, match=r"cols.jsonl: no column 'answer' \(--answer-field\); columns are \['a', "
+                                         r"'q'\]$"):
+        data.load_problems(str(path), "train", problem_field="q")
+
+
+def test_size_keeps_a_files_first_rows_and_no_levels_means_every_level(tmp_path):
+    path = tmp_path / "five.jsonl"
+    path.write_text("".join(json.dumps({"id": f"r{i}", "problem": f"P{i}?", "answer": str(i)}) + "\n"
+                            for i in range(5)))
+    assert [r["id"] for r in data.load_problems(str(path), "train", size=2)[0]] == ["r0", "r1"]
+    assert len(data.load_problems(str(path), "train")[0]) == 5
+    for spec, count in (("synthetic:arith", data.ARITH_LEVELS), ("synthetic:rules", data.RULES_LEVELS)):
+        rows = data.load_problems(spec, "train", size=96, seed=1)[0]
+        assert {r["level"] for r in rows} == set(range(1, count + 1)), spec
+
+
+def test_only_a_bare_name_near_a_benchmarks_is_called_a_typo(tmp_path, monkeypatch):
+    """"math501" is a typo of math500, named with every benchmark; a hub id with a slash ("owner/math500") and
+    an existing file named like a benchmark ("math50.jsonl", read by a path without a slash) are not."""
+    with pytest.raises(SystemExit, match=r"^math501: no such benchmark; did you mean math500\? \(names: "
+                                         + re.escape(", ".join(data.BENCHMARKS)) + r"; a hub data set is "):
+        data.load_problems("math501", "train")
+    import datasets
+
+    import hub
+
+    monkeypatch.setattr(hub, "require", lambda *a: None)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: [{"id": "h", "problem": "H?", "answer": "6"}])
+    assert data.load_problems("owner/math500", "train")[0][0]["id"] == "h"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "math50.jsonl").write_text('{"id": "f", "problem": "F?", "answer": "7"}\n')
+    assert data.load_problems("math50.jsonl", "train")[0][0]["id"] == "f"

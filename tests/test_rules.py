@@ -40,6 +40,7 @@ def test_rules_answers_follow_the_familys_rule_and_no_text_states_it(seed):
     for r in rows:
         family, a, b = read_back(r["problem"])
         assert r["family"] == family and r["answer"] == str(FORMULAS[rules[family]](a, b)), r
+        assert r["content"] == f"{family} {a} {b}"  # what twin detection and the probe's families read
         assert not re.search(r"[+*=]", r["problem"])  # the rule is never in the text
         # the worked solution applies the family's rule to the operands (what a solved member shows)
         worked = rules[family].replace("a", str(a)).replace("b", str(b))
@@ -81,7 +82,9 @@ def test_rules_levels_and_capacity_are_checked():
     assert {r["level"] for r in data.synthetic_rules("train", 60, 0, [1, 2, 3], 60)} == {1, 2, 3}
     with pytest.raises(SystemExit, match="synthetic:rules has levels 1-3, got 4"):
         data.synthetic_rules("train", 10, 0, [4], 10)
-    with pytest.raises(SystemExit, match="cannot make 121 distinct train problems"):
+    with pytest.raises(SystemExit, match=r"^synthetic:rules cannot make 121 distinct train problems at levels \[1\]: "
+                                         r"family '\w+' has no unused answer left; ask for fewer, or add harder "
+                                         r"levels$"):
         data.synthetic_rules("train", 121, 0, [1], 121)  # a family's distinct level-1 answers run out
     with pytest.raises(SystemExit, match="cannot make 26 distinct test problems unseen in training"):
         data.synthetic_rules("test", 26, 0, [1], 48)
