@@ -366,3 +366,48 @@ def test_only_a_bare_name_near_a_benchmarks_is_called_a_typo(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     (tmp_path / "math50.jsonl").write_text('{"id": "f", "problem": "F?", "answer": "7"}\n')
     assert data.load_problems("math50.jsonl", "train")[0][0]["id"] == "f"
+
+
+def worded_answer(text: str) -> tuple[int, str]:
+    """A synthetic:arith problem's answer and content key, computed from its wording alone."""
+    nums = [int(n) for n in re.findall(r"\d+", text)]
+    if "bags" in text:
+        return nums[0] * nums[1] + nums[2], f"* {min(nums[:2])} {max(nums[:2])} + {nums[2]}"
+    if "boxes" in text:
+        return nums[0] * nums[1] - nums[2], f"* {min(nums[:2])} {max(nums[:2])} - {nums[2]}"
+    if "gives away" in text:
+        return nums[0] - nums[1], f"- {nums[0]} {nums[1]}"
+    if "then finds" in text:
+        return sum(nums), "+ " + " ".join(map(str, sorted(nums)))
+    op = "*" if "*" in text else "+"
+    return (nums[0] * nums[1] if op == "*" else sum(nums)), f"{op} {min(nums)} {max(nums)}"
+
+
+# level -> the operand ranges its wording draws from, as _arith_problem's docstring and the README describe them
+ARITH_RANGES = {1: [(1, 9), (1, 9)], 2: [(10, 49), (1, 9)], 3: [(10, 99), (10, 99)], 4: [(2, 30)] * 3,
+                5: [(2, 9), (2, 9), (1, 20)], 6: [(2, 12), (2, 12), (2, 9)]}
+
+
+@pytest.mark.parametrize("level", sorted(ARITH_RANGES))
+def test_every_wording_of_every_level_has_the_answer_its_words_say(level):
+    """Read back from the words alone, 3,000 draws of a level: the answer and content key agree with the
+    wording, every operand stays in the level's range and reaches both ends of it, no answer is negative
+    (level 6 gives away at most one less than the boxes hold), and each of the level's wordings occurs."""
+    import random
+
+    rng = random.Random(f"wording-{level}")
+    seen = [set() for _ in ARITH_RANGES[level]]
+    wordings, answers = set(), set()
+    for _ in range(3000):
+        text, answer, content = data._arith_problem(rng, level)
+        assert (answer, content) == worded_answer(text), text
+        for got, (lo, hi), values in zip(map(int, re.findall(r"\d+", text)), ARITH_RANGES[level], seen, strict=True):
+            assert lo <= got <= hi, text
+            values.add(got)
+        answers.add(answer)
+        wordings.add(text.split()[0] if text.startswith(("What", "Compute")) else "story")
+    for values, (lo, hi) in zip(seen, ARITH_RANGES[level], strict=True):
+        assert min(values) == lo and max(values) == hi, (level, lo, hi, min(values), max(values))
+    # the smallest answers: 1 * 1, 10 + 1, n - n, and 2 boxes of 2 less 3 (never fewer left than 1)
+    assert min(answers) == {1: 1, 2: 11, 3: 0, 6: 1}.get(level, min(answers)) and min(answers) >= 0
+    assert wordings == {1: {"What", "Compute"}, 2: {"What", "story"}, 3: {"What", "story"}}.get(level, {"story"})
