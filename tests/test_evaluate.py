@@ -436,3 +436,114 @@ def test_report_to_tensorboard_logs_every_metric_and_the_samples(tiny_model_dir,
     assert [e.step for e in events.Scalars("eval_accuracy")] == [2]
     assert [e.step for e in events.Tensors("samples/text_summary")] == [0, 2]
     assert not (out / "wandb").exists()
+
+
+class FakeSampler:
+    """scoring's sampler replaced: records each call's prompts and settings; turn 1 answers each problem's
+    first sample right and the others wrong (each response names its problem and sample), turn 2 answers
+    right."""
+
+    def __init__(self, rows):
+        self.rows, self.calls = rows, []
+
+    def __call__(self, model, tokenizer, texts, **settings):
+        from types import SimpleNamespace
+
+        self.calls.append((texts, settings))
+        turn = len(self.calls)
+        per_problem = len(texts) // len(self.rows)
+        outs = []
+        for i, _ in enumerate(texts):
+            row, j = self.rows[i // per_problem], i % per_problem
+            answer = row["answer"] if (j == 0 or turn == 2) else "0"
+            outs.append(SimpleNamespace(text=f"attempt {row['id']}-{j} of turn {turn}: \\boxed{{{answer}}}",
+                                        truncated=j == 2, completion_ids=[5] * (4 + j)))
+        return outs
+
+
+ROWS = [{"id": "p0", "problem": "What is the blick of 3 and 4?", "answer": "31337"},
+        {"id": "p1", "problem": "What is the zorp of 5 and 6?", "answer": "27182"}]
+
+
+def test_evaluate_rows_samples_each_mode_with_its_prompts_labels_and_settings(tiny, monkeypatch):
+    """Every mode through a recording sampler: what each turn is asked, with which settings, and what the
+    records and summary keep (zero-shot greedy; reflect with each sample's own attempt and no label unless
+    a leaky --reflect-mode asks; a given first turn reused, not resampled; abstract with the lessons of the
+    problems that have them; a --reward function beside the grader in both turns)."""
+    _, tokenizer = tiny
+    cfg = lanpo.Config(max_new_tokens=7, top_p=0.9, gen_batch=3, attempt_tokens=64)
+    plain = [scoring.prompts.render_prompt(tokenizer, scoring.prompts.problem_request(r["problem"]), cfg.one_shot)
+             for r in ROWS]
+    sampler = FakeSampler(ROWS)
+    monkeypatch.setattr(scoring, "generate_completions", sampler)
+    records, summary = scoring.evaluate_rows(None, tokenizer, ROWS, "zero-shot", cfg, [2], progress="bench")
+    assert sampler.calls == [(plain, {"eos_ids": [2], "max_new_tokens": 7, "temperature": 1.0, "top_p": 0.9,
+                                      "greedy": True, "batch_size": 3, "share_prefill": cfg.share_prefill,
+                                      "compiled": cfg.compile_decoding, "progress": "bench"})]
+    assert [(r["id"], r["gold"], r["prompt"], r["verdicts"], r["lessons"]) for r in records] == [
+        ("p0", "31337", plain[0], [1.0], ""), ("p1", "27182", plain[1], [1.0], "")]
+    assert summary["avg@1"] == 1.0 and summary["problems"] == 2 and "with_lessons" not in summary
+    with pytest.raises(SystemExit, match=r"^greedy decoding \(--temperature 0\) gives one distinct sample: use "
+                                         r"--samples 1$"):
+        scoring.evaluate_rows(None, tokenizer, ROWS, "zero-shot", cfg, [2], samples=2)
+
+    class Lengths:  # a --reward function: the response's length
+        def scores(self, problems, texts, cut):
+            assert [p["id"] for p in problems] == ["p0"] * 3 + ["p1"] * 3 and cut == [False, False, True] * 2
+            return [float(len(t)) for t in texts]
+
+    for leak in ("agnostic", "with-gold", "with-reward"):
+        sampler = FakeSampler(ROWS)
+        monkeypatch.setattr(scoring, "generate_completions", sampler)
+        cfg.reflect_mode = leak
+        records, summary = scoring.evaluate_rows(None, tokenizer, ROWS, "reflect", cfg, [2], samples=3,
+                                                 temperature=0.7, rewarder=Lengths())
+        (first, one), (second, two) = sampler.calls
+        assert first == [plain[0]] * 3 + [plain[1]] * 3 and one["temperature"] == 0.7 and not one["greedy"]
+        assert two["progress"] == "" and two["temperature"] == 0.7
+        assert second == [p for r in records for p in r["turn2_prompts"]]
+        for r in records:
+            assert r["verdicts"] == [1.0, 0.0, 0.0] and r["turn2_verdicts"] == [1.0, 1.0, 1.0]
+            assert r["rewards"] == [float(len(t)) for t in r["responses"]]
+            assert r["turn2_rewards"] == [float(len(t)) for t in r["turn2_responses"]]
+            assert r["turn2_lengths"] == [4, 5, 6] and r["turn2_truncated"] == [False, False, True]
+            for j, prompt in enumerate(r["turn2_prompts"]):  # each sample reviews its own attempt alone
+                assert [f"attempt {r['id']}-{n} of turn 1" in prompt for n in range(3)] == [n == j for n in range(3)]
+                assert (f"The correct final answer is {r['gold']}." in prompt) == (leak == "with-gold")
+                assert ("This attempt was" in prompt) == (leak == "with-reward")
+                if leak == "with-reward":
+                    assert f"This attempt was {'correct' if j == 0 else 'incorrect'}." in prompt
+        assert summary["flip_wrong_to_right"] == pytest.approx(4 / 6) and summary["flip_right_to_wrong"] == 0.0
+        assert summary["turn2_avg@3"] == 1.0 and summary["turn2_reward"] > 0
+    cfg.reflect_mode = "agnostic"
+
+    monkeypatch.setattr(scoring, "generate_completions", FakeSampler(ROWS))
+    given, _ = scoring.evaluate_rows(None, tokenizer, ROWS, "zero-shot", cfg, [2], samples=3, temperature=0.7)
+    sampler = FakeSampler(ROWS)
+    monkeypatch.setattr(scoring, "generate_completions", sampler)
+    again, _ = scoring.evaluate_rows(None, tokenizer, ROWS, "reflect", cfg, [2], first_turn=given, samples=3,
+                                     temperature=0.7, progress="bench")
+    assert len(sampler.calls) == 1 and sampler.calls[0][1]["progress"] == "bench, turn 2"  # turn 1 reused
+    assert [r["responses"] for r in again] == [r["responses"] for r in given]
+    assert "turn2_responses" not in given[0] and "turn2_rewards" not in again[0]  # copies; no rewarder now
+
+    with pytest.raises(SystemExit, match=r"^--mode abstract needs --pool \(a pool.jsonl saved by a training run\)$"):
+        scoring.evaluate_rows(None, tokenizer, ROWS, "abstract", cfg, [2])
+    asked = []
+
+    def lessons_for(*args):
+        asked.append(args)
+        return {"p1": "The zorp adds ten."}, None
+
+    monkeypatch.setattr(scoring.abstract, "lessons_for", lessons_for)
+    pool = ExperiencePool()
+    for mode, raw in (("principles", False), ("raw", True)):
+        sampler = FakeSampler(ROWS)
+        monkeypatch.setattr(scoring, "generate_completions", sampler)
+        cfg.abstract_mode = mode
+        records, summary = scoring.evaluate_rows("model", tokenizer, ROWS, "abstract", cfg, [2], pool=pool)
+        assert asked[-1] == ("model", tokenizer, pool, ROWS, {}, 0, cfg, [2])
+        with_lessons = scoring.prompts.render_prompt(tokenizer, scoring.prompts.abstraction_request(
+            ROWS[1]["problem"], "The zorp adds ten.", raw=raw), cfg.one_shot)
+        assert sampler.calls[0][0] == [plain[0], with_lessons]
+        assert [r["lessons"] for r in records] == ["", "The zorp adds ten."] and summary["with_lessons"] == 0.5
