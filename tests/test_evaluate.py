@@ -25,7 +25,7 @@ def test_pass_at_k_closed_form():
         n = rng.randint(1, 40)
         c, k = rng.randint(0, n), rng.randint(1, n)
         assert scoring.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^pass@3 needs at least 3 samples, got 2$"):
         scoring.pass_at_k(2, 1, 3)
 
 
@@ -36,6 +36,7 @@ def test_majority_vote_with_ties():
     assert scoring.majority_correct(["2", "3", "3", "2", None, None], [1, 0, 0, 1, 0, 0]) == 0.5  # None never votes
     assert scoring.majority_correct(["\\frac{1}{2}", "\\dfrac{1}{2}", "3"], [1, 1, 0]) == 1.0  # same after normalising
     assert scoring.majority_correct(["4", "5", "6"], [0, 1, 1]) == pytest.approx(2 / 3)   # three-way tie
+    assert scoring.majority_correct([None, "5", None, "5", "6"], [0, 1, 0, 1, 0]) == 1.0  # a None first too
     assert scoring.majority_correct([None, None], [0, 0]) == 0.0
 
 
@@ -514,7 +515,12 @@ def test_evaluate_rows_samples_each_mode_with_its_prompts_labels_and_settings(ti
                 if leak == "with-reward":
                     assert f"This attempt was {'correct' if j == 0 else 'incorrect'}." in prompt
         assert summary["flip_wrong_to_right"] == pytest.approx(4 / 6) and summary["flip_right_to_wrong"] == 0.0
-        assert summary["turn2_avg@3"] == 1.0 and summary["turn2_reward"] > 0
+        assert summary["turn2_avg@3"] == 1.0 and "turn2_problems" not in summary
+        for prefix in ("", "turn2_"):  # the --reward function's mean over problems, with its interval
+            means = [sum(r[prefix + "rewards"]) / 3 for r in records]
+            assert summary[prefix + "reward"] == pytest.approx(sum(means) / 2)
+            assert summary[prefix + "reward_low"] == pytest.approx(min(means))
+            assert summary[prefix + "reward_high"] == pytest.approx(max(means))
     cfg.reflect_mode = "agnostic"
 
     monkeypatch.setattr(scoring, "generate_completions", FakeSampler(ROWS))
