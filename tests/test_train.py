@@ -2,6 +2,7 @@
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import platform
 import re
@@ -13,6 +14,7 @@ import torch
 from conftest import ROOT
 
 import cpu
+import grpo
 import lanpo
 import rundir
 import update
@@ -414,3 +416,59 @@ def test_resuming_a_finished_run_says_how_to_extend_it(tiny_model_dir, tmp_path,
     lanpo.main(lanpo.parse_config(["--resume", str(run)]))
     out = capsys.readouterr().out
     assert f"all 1 steps are done; --resume {run} --steps N with N > 1 extends the run" in out
+
+
+def test_policy_gradient_loss_passes_every_setting_and_weight_to_the_surrogate():
+    """update.policy_gradient_loss against grpo.policy_loss called by hand with the same settings (clip bounds,
+    beta and the reference, loss type and completion length, the batch's normalisers) and the distill weights
+    of the off-policy rows: the same loss to the bit; its statistics weighted by the micro-batch's tokens, the
+    entropy averaged over the loss tokens, the distill weight over the off-policy tokens."""
+    g = torch.Generator().manual_seed(3)
+    rows, width = 4, 5
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.float32)
+    logps = (-torch.rand(rows, width, generator=g) * mask).requires_grad_()
+    old = (logps.detach() + 0.3 * torch.randn(rows, width, generator=g)) * mask
+    ref = (logps.detach() + 0.2 * torch.randn(rows, width, generator=g)) * mask
+    sampling = (logps.detach() - 0.5 * torch.rand(rows, width, generator=g)) * mask
+    entropy = torch.rand(rows, width, generator=g) * mask
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    off = torch.tensor([False, True, False, True])
+    f = update.Forward(None, logps, entropy, mask, old)
+    mb = update.MicroBatch(torch.zeros(rows, 8, dtype=torch.long), torch.ones(rows, 8), mask, advantages, mask,
+                           sampling_logps=sampling, off_policy=off, ref_logps=ref)
+    cfg = lanpo.Config(feedback_grad="distill", distill_is_cap=1.5, eps_low=0.1, eps_high=0.28, beta=0.04,
+                       loss_type="dr_grpo", max_new_tokens=width)
+    window = {"seqs": 10, "tokens": 37}
+    weights = torch.where(off[:, None], torch.exp(old - sampling).clamp(max=1.5), 1.0)
+    for loss_type in ("grpo", "dapo", "dr_grpo"):  # dapo divides by the window's tokens, dr_grpo by its rows
+        stats = {}
+        loss = update.policy_gradient_loss(f, mb, dataclasses.replace(cfg, loss_type=loss_type), window, stats)
+        expected, s = grpo.policy_loss(logps, old, advantages, mask, ref, eps_low=0.1, eps_high=0.28, beta=0.04,
+                                       loss_type=loss_type, max_completion_len=width, window_seqs=10,
+                                       window_tokens=37, token_weights=weights)
+        assert torch.equal(loss, expected) and stats["loss"] == [(expected.item(), None)], loss_type
+    tokens = s.pop("tokens")
+    assert tokens == mask.sum().item() and {k: stats[k] for k in s} == {k: [(v, tokens)] for k, v in s.items()}
+    assert stats["entropy"] == [(pytest.approx((entropy.sum() / mask.sum()).item()), tokens)]
+    off_tokens = mask * off[:, None]
+    assert stats["distill_is_weight"] == [(pytest.approx(((weights * off_tokens).sum() / off_tokens.sum()).item()),
+                                           off_tokens.sum().item())]
+    # the distill weights only under --feedback-grad distill, and only where the batch has off-policy rows
+    for grad, sampling_logps in (("context", sampling), ("distill", None)):
+        stats = {}
+        mb_ = dataclasses.replace(mb, sampling_logps=sampling_logps)
+        loss = update.policy_gradient_loss(f, mb_, dataclasses.replace(cfg, feedback_grad=grad), window, stats)
+        plain, _ = grpo.policy_loss(logps, old, advantages, mask, ref, eps_low=0.1, eps_high=0.28, beta=0.04,
+                                    loss_type="dr_grpo", max_completion_len=width, window_seqs=10, window_tokens=37)
+        assert torch.equal(loss, plain) and "distill_is_weight" not in stats
+    stats = {}
+    update.policy_gradient_loss(f, dataclasses.replace(mb, off_policy=torch.zeros(rows, dtype=torch.bool)), cfg,
+                                window, stats)
+    assert "distill_is_weight" not in stats  # no off-policy token: nothing to average
+    one = torch.zeros(rows, width)
+    one[0, 0] = 1.0  # a micro-batch with a single loss token: its entropy is that token's
+    stats = {}
+    update.policy_gradient_loss(update.Forward(None, logps * one, entropy * one, one, old * one),
+                                dataclasses.replace(mb, cmask=one, loss_mask=one, off_policy=off & False), cfg,
+                                window, stats)
+    assert stats["entropy"] == [(pytest.approx(entropy[0, 0].item()), 1.0)]
