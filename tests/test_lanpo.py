@@ -417,7 +417,8 @@ def test_relevance_answer_words_come_from_prompts_and_the_scores_follow_them(tin
 @pytest.mark.parametrize("batch_size", [2, 16])
 def test_shared_relevance_scores_equal_plain_ones(tiny, batch_size):
     """Each judged problem's start encoded once (share_prefix) gives the plain forward's scores: groups of
-    3, 1 and 2 pairs, candidates of different lengths, one batch for all or groups split across batches."""
+    5, 1 and 2 pairs, candidates of different lengths, one batch for all or groups split across batches (a group
+    more than twice the batch)."""
     model, tokenizer = tiny
     model = copy.deepcopy(model)
     with torch.no_grad():  # sharper attention than the tiny model's near-uniform one: positions matter
@@ -426,7 +427,7 @@ def test_shared_relevance_scores_equal_plain_ones(tiny, batch_size):
     problems = ["What is 2 + 2?", "Tom has 7 apples and eats 3. How many are left?", "Find 10 - 4."]
     others = [("What is 3 + 3?", "3 + 3 = 6"), ("Add 5 and 9.", "5 + 9 = " + "14 " * 12),
               ("Sam has 2 pens.", None), ("What is 8 - 1?", "\\boxed{7}")]
-    owners = [0, 0, 0, 1, 2, 2]
+    owners = [0, 0, 0, 0, 0, 1, 2, 2]
     pairs = [prompts.relevance_request(problems[o], *others[i % len(others)]) for i, o in enumerate(owners)]
     plain = abstract.relevance_scores(model, tokenizer, pairs, batch_size=batch_size)
     shared = abstract.relevance_scores(model, tokenizer, pairs, owners, batch_size=batch_size, share_prefix=True)
