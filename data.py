@@ -1,6 +1,6 @@
 """Problems to train and evaluate on: built-in procedural generators (`synthetic:arith`, the embedded
 default; `synthetic:rules`, hidden-rule families where experience must help, and `synthetic:rules-menu`, the
-same with the candidate rules listed so that chance successes teach GRPO too), the benchmark files that ship
+same as multiple choice, so that chance successes teach GRPO too), the benchmark files that ship
 in the repository's data/ by name (`math500`, `aime24`, `gsm8k`, `math_train`, ...; data/README.md gives each
 one's source and licence), local .jsonl/.jsonl.gz/.json/.csv files, and parquet files or hub datasets through
 `datasets`.
@@ -129,7 +129,6 @@ RULE_OPERANDS = {1: (2, 9), 2: (10, 19), 3: (20, 49)}  # level -> both operands'
 RULE_TEMPLATES = ("What is the {family} of {a} and {b}?", "Compute the {family} of {a} and {b}.",
                   "Find the {family} of {a} and {b}.")
 ONE_SHOT_ANSWER = "7"  # prompts.ONE_SHOT's answer: no synthetic:rules problem has it (every prompt shows it)
-MENU_NUMBERS = {n for formula in RULE_FORMULAS for n in re.findall(r"\d+", formula)}  # shown in every menu
 
 
 def rule_families(seed: int) -> dict[str, str]:
@@ -151,16 +150,17 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
     in either order), no held-out answer is the answer of any of the first `train_size` train problems of the
     same seed (the pool a held-out problem is shown holds training problems only), and none is the worked
     example's answer. A held-out problem's answer can still appear as an operand of another problem.
-    `menu` (synthetic:rules-menu) puts all eight formulas before each question, in an order drawn apart from
-    the family ("The zorp of a and b is one of: a * b - 1; 10 * a + b; ... What is the zorp of 7 and 3?"):
-    the text still does not say which rule is the family's, but a guess among the listed ones is right about
-    one time in eight, so GRPO alone can learn the task from chance successes. No answer is a number of the
-    menu (MENU_NUMBERS), and the draws differ from synthetic:rules' (other problems, the same families)."""
+    `menu` (synthetic:rules-menu) makes each problem multiple choice: after the question, the distinct values
+    of all eight rules at its operands, in an order drawn apart from the family ("What is the zorp of 9 and 9?
+    It is one of: 36, 99, 28, 27, 80, 90."). The text still does not say which rule is the family's, but a
+    guess among the options is right one time in six to eight, so GRPO alone can learn the task from chance
+    successes; a solved member shows the rule as before. The options are other numbers any problem may show,
+    as operands are."""
     for level in levels:
         if level not in RULE_OPERANDS:
             raise SystemExit(f"--levels: synthetic:rules has levels 1-{RULES_LEVELS}, got {level}")
     rules = rule_families(seed)
-    forbidden = {ONE_SHOT_ANSWER} | (MENU_NUMBERS if menu else set())
+    forbidden = {ONE_SHOT_ANSWER}
     if split != "train":
         forbidden |= {r["answer"] for r in synthetic_rules("train", train_size, seed, levels, menu=menu)}
     rng = random.Random(f"rules-{split}-{seed}")
@@ -183,8 +183,8 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
         taken[family].add(answer)
         text = rng.choice(RULE_TEMPLATES).format(family=family, a=a, b=b)
         if menu:
-            listed = "; ".join(menu_rng.sample(sorted(RULE_FORMULAS), len(RULE_FORMULAS)))
-            text = f"The {family} of a and b is one of: {listed}. {text}"
+            options = sorted({RULE_FORMULAS[formula](a, b) for formula in RULE_FORMULAS})
+            text += f" It is one of: {', '.join(map(str, menu_rng.sample(options, len(options))))}."
         worked = re.sub(r"\b[ab]\b", lambda m: str({"a": a, "b": b}[m.group()]), rules[family])
         solution = f"The {family} of {a} and {b} is {worked} = {answer}. The answer is \\boxed{{{answer}}}."
         rows.append({"id": f"rules-{split}-{n:05d}", "problem": text, "answer": answer, "level": level,

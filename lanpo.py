@@ -94,9 +94,9 @@ class Config:
                                     "of the adapted weights while sampling")
     # --- data
     dataset: str = _f("synthetic:arith", "synthetic:arith (built-in); synthetic:rules (built-in hidden-rule "
-                      "families: a positive control where experience must help); synthetic:rules-menu (the same "
-                      "with the eight candidate rules listed, so a guess is right one time in eight and GRPO "
-                      "can learn from chance successes); a benchmark name shipped in "
+                      "families: a positive control where experience must help); synthetic:rules-menu (the same as "
+                      "multiple choice, the values of all eight rules listed, so a guess is right one time in six "
+                      "to eight and GRPO can learn from chance successes); a benchmark name shipped in "
                       "data/ (math_train, "
                       "gsm8k_train, math500, aime24, aime25, amc23, gsm8k, math); a .jsonl/.jsonl.gz/.json/.csv/"
                       ".parquet file; or a hub dataset")

@@ -25,11 +25,11 @@ def read_back(text: str) -> tuple[str, int, int]:
     return m.group(1), int(m.group(2)), int(m.group(3))
 
 
-def read_menu(text: str) -> tuple[str, list[str], str]:
-    """(family named by the menu, the formulas it lists in order, the question after it)."""
-    m = re.fullmatch(r"The ((?:grand )?[a-z]+) of a and b is one of: ([^.]+)\. (.+)", text)
+def read_menu(text: str) -> tuple[str, list[int]]:
+    """(the question, the options listed after it, in order)."""
+    m = re.fullmatch(r"(.+[.?]) It is one of: ([\d, ]+)\.", text)
     assert m, text
-    return m.group(1), m.group(2).split("; "), m.group(3)
+    return m.group(1), [int(n) for n in m.group(2).split(", ")]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -109,29 +109,30 @@ def test_rules_retrieval_is_no_oracle():
 
 
 @pytest.mark.parametrize("seed", [0, 2])
-def test_rules_menu_lists_every_rule_in_an_order_that_says_nothing(seed):
-    """synthetic:rules-menu: each question comes after all eight formulas, each once, so the text names the
-    candidates but not the family's rule; where the family's rule stands in the list is spread over all eight
-    places (a guess by position is right one time in eight); answers follow the rule; no answer is a number
-    the menu shows, none is shared between the splits or the worked example's."""
+def test_rules_menu_lists_every_rules_value_in_an_order_that_says_nothing(seed):
+    """synthetic:rules-menu: each question is followed by the distinct values of all eight rules at its
+    operands, each once, so the text names the candidates but not the family's rule; where the answer stands
+    in the list is spread over the places (a guess by position is right about one time in seven); answers
+    follow the rule; no answer is shared between the splits or is the worked example's."""
     rules = data.rule_families(seed)
     train = data.synthetic_rules("train", 48, seed, [1, 2], 48, menu=True)
     test = data.synthetic_rules("test", 96, seed, [1, 2], 48, menu=True)
     places = []
     for r in train + test:
-        family, listed, question = read_menu(r["problem"])
-        assert sorted(listed) == sorted(FORMULAS) and read_back(question)[0] == family == r["family"]
-        _, a, b = read_back(question)
-        assert r["answer"] == str(FORMULAS[rules[family]](a, b)) and not re.search(r"[+*=]", question)
-        places.append(listed.index(rules[family]))
-        assert r["answer"] not in {"1", "2", "3", "10", data.ONE_SHOT_ANSWER}
-        assert r["answer"] not in re.findall(r"\d+", r["problem"].split(". ", 1)[0])  # nor in the menu
+        question, options = read_menu(r["problem"])
+        family, a, b = read_back(question)
+        assert family == r["family"] and r["answer"] == str(FORMULAS[rules[family]](a, b))
+        assert sorted(options) == sorted({f(a, b) for f in FORMULAS.values()}) and not re.search(r"[+*=]", question)
+        places.append(options.index(int(r["answer"])))
     assert set(places) == set(range(8)) and max(places.count(k) for k in range(8)) < len(places) / 4
     assert not {r["answer"] for r in train} & {r["answer"] for r in test}
+    assert data.ONE_SHOT_ANSWER not in {r["answer"] for r in train + test}
     assert {r["family"] for r in train} == {r["family"] for r in test} == set(data.RULE_FAMILIES)
-    # the same families as synthetic:rules, and lanpo's loader reads the menu variant by its name
+    # the same problems as synthetic:rules, with the options added; lanpo's loader reads the variant by name
     plain = data.synthetic_rules("train", 48, seed, [1, 2], 48)
-    assert [r["family"] for r in plain] == [r["family"] for r in train]
+    assert [read_menu(r["problem"])[0] for r in train] == [r["problem"] for r in plain]
+    assert [{k: v for k, v in r.items() if k != "problem"} for r in train] == [
+        {k: v for k, v in r.items() if k != "problem"} for r in plain]
     cfg = lanpo.parse_config(["--dataset", "synthetic:rules-menu", "--levels", "1-2", "--synthetic-size", "48",
                               "--eval-size", "96", "--seed", str(seed)])
     assert lanpo.load_rows(cfg)[:2] == (train, test)
