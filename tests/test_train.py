@@ -472,3 +472,68 @@ def test_policy_gradient_loss_passes_every_setting_and_weight_to_the_surrogate()
                                 dataclasses.replace(mb, cmask=one, loss_mask=one, off_policy=off & False), cfg,
                                 window, stats)
     assert stats["entropy"] == [(pytest.approx(entropy[0, 0].item()), 1.0)]
+
+
+def test_micro_batches_hold_the_fixed_log_probs_each_setting_asks_for(tiny):
+    """update.micro_batches on rows with a behaviour prompt, a teacher, sampler log-probs and a row left out of
+    the loss: rows sorted by prompt, packed, with their advantages and loss mask; pi_old (--ppo-epochs 2), the
+    reference (--beta) and the sampling prompt's log-probs at the sampling temperature, each against a forward
+    of its own model on its own prompts; the sampler's log-probs only on rows sampled on their training prompt;
+    the teacher's prompts. --feedback-grad strip takes pi_old from the sampling prompts; one epoch and no beta
+    compute neither."""
+    import copy
+
+    import forwards
+    import prompts
+    from rollout import Completion, pack
+
+    model, tokenizer = tiny
+    ref_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for w in ref_model.parameters():
+            w.add_(0.05 * torch.randn_like(w))
+    render = lambda text: lanpo.token_ids(tokenizer, prompts.render_prompt(tokenizer, text, one_shot=False))  # noqa: E731
+    plain_a, plain_b = render("What is 2 + 5?"), render("Tom has 12 apples and eats 3. How many are left?")
+    shown, teacher = render("Earlier: 2 + 5 = 8. What is 2 + 5?"), render("Principle: add. What is 2 + 5?")
+    done = [lanpo.token_ids(tokenizer, c) for c in (" 7<|im_end|>", " 9 apples<|im_end|>", " 2 + 5 = 7<|im_end|>")]
+    rows = [Completion(plain_a, done[0], False, "", sampler_logps=-torch.rand(len(done[0]))),
+            Completion(plain_b, done[1], False, "", sampler_logps=-torch.rand(len(done[1]))),
+            Completion(plain_a, done[2], False, "", sampler_logps=-torch.rand(len(done[2])))]
+    behaviour = [None, None, Completion(shown, done[2], False, "")]
+    teachers = [Completion(teacher, done[0], False, ""), None, None]
+    b = update.UpdateBatch(rows, torch.tensor([1.0, -0.5, 0.25]), behaviour, teachers, [],
+                           {"seqs": 3, "tokens": 9, "feedback_tokens": 0}, torch.tensor([1.0, 0.0, 1.0]))
+    cfg = lanpo.parse_config(["--micro-batch", "2", "--ppo-epochs", "2", "--beta", "0.1", "--temperature", "0.7",
+                              "--batch-problems", "1", "--group-size", "2"])
+    order = sorted(range(3), key=lambda i: (len(rows[i].prompt_ids), rows[i].prompt_ids.tolist(),
+                                            len(rows[i].completion_ids)))
+    assert order[:2] == [0, 2]  # the rows of one prompt sit together, shorter completion first
+    mbs = update.micro_batches(model, ref_model, b, cfg, tokenizer.pad_token_id, "cpu")
+    assert [len(mb.ids) for mb in mbs] == [2, 1]
+    logps = lambda m, packed: forwards.token_logprobs(m, *packed, 8, 0.7)[0]  # noqa: E731
+    for mb, idx in zip(mbs, (order[:2], order[2:]), strict=True):
+        packed = pack([rows[i] for i in idx], tokenizer.pad_token_id, "cpu")
+        assert all(torch.equal(x, y) for x, y in zip((mb.ids, mb.attn, mb.cmask), packed, strict=True))
+        assert torch.equal(mb.advantages, b.advantages[idx])
+        assert torch.equal(mb.loss_mask, mb.cmask * b.in_loss[idx][:, None])
+        torch.testing.assert_close(mb.old_logps, logps(model, packed), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mb.ref_logps, logps(ref_model, packed), atol=1e-5, rtol=1e-5)
+        assert (mb.ref_logps - mb.old_logps).abs().max() > 1e-3  # the two models differ: the check can fail
+        sampled = pack([behaviour[i] or rows[i] for i in idx], tokenizer.pad_token_id, "cpu")
+        torch.testing.assert_close(mb.sampling_logps, logps(model, sampled), atol=1e-5, rtol=1e-5)
+        assert mb.off_policy.tolist() == [behaviour[i] is not None for i in idx]
+        assert mb.sampler_rows.tolist() == [behaviour[i] is None for i in idx]
+        for j, i in enumerate(idx):
+            want = rows[i].sampler_logps if behaviour[i] is None else torch.zeros(0)
+            assert torch.equal(mb.sampler_logps[j, :len(want)], want) and not mb.sampler_logps[j, len(want):].any()
+        taught = pack([teachers[i] or rows[i] for i in idx], tokenizer.pad_token_id, "cpu")[:2]
+        assert all(torch.equal(x, y) for x, y in zip(mb.teacher_inputs, taught, strict=True))
+        assert mb.has_teacher.tolist() == [teachers[i] is not None for i in idx]
+    strip = dataclasses.replace(cfg, feedback_grad="strip")
+    assert all(mb.old_logps is mb.sampling_logps for mb in update.micro_batches(
+        model, ref_model, b, strip, tokenizer.pad_token_id, "cpu"))
+    plain = dataclasses.replace(cfg, ppo_epochs=1, beta=0.0)
+    plain_b = dataclasses.replace(b, behaviour=None, teachers=None)
+    for mb in update.micro_batches(model, None, plain_b, plain, tokenizer.pad_token_id, "cpu"):
+        assert (mb.old_logps, mb.ref_logps, mb.sampling_logps, mb.teacher_inputs) == (None,) * 4
+        assert mb.sampler_rows.all()
