@@ -537,3 +537,58 @@ def test_micro_batches_hold_the_fixed_log_probs_each_setting_asks_for(tiny):
     for mb in update.micro_batches(model, None, plain_b, plain, tokenizer.pad_token_id, "cpu"):
         assert (mb.old_logps, mb.ref_logps, mb.sampling_logps, mb.teacher_inputs) == (None,) * 4
         assert mb.sampler_rows.all()
+
+
+def test_self_distill_and_feedback_model_terms_pass_their_settings_and_weights(tiny):
+    """update.self_distill_loss against distill's functions called by hand (the divergence asked for, its
+    coefficient, the batch's taught tokens, only the rows that have a teacher), 0 without a teacher; and
+    update.feedback_model_loss: the principles' log-likelihood at temperature 1 whatever --temperature says,
+    a padding copy (weight 0) left out, normalised by the batch's feedback tokens; the statistics of both."""
+    import distill
+    import forwards
+    from rollout import Completion, pack
+
+    g = torch.Generator().manual_seed(5)
+    rows, width, vocab, k = 3, 4, 11, 2
+    logits = torch.randn(rows, width, vocab, generator=g).requires_grad_()
+    teacher_ids = torch.randint(0, vocab, (rows, width, k), generator=g)
+    teacher_logps = torch.log_softmax(torch.randn(rows, width, k + 1, generator=g), dim=-1)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float32)
+    f = update.Forward(logits, torch.zeros(rows, width), torch.zeros(rows, width), mask, torch.zeros(rows, width),
+                       teacher_logps=teacher_logps, teacher_ids=teacher_ids)
+    mb = update.MicroBatch(torch.zeros(rows, 6, dtype=torch.long), torch.ones(rows, 6), mask, torch.zeros(rows),
+                           mask, has_teacher=torch.tensor([True, False, True]))
+    cfg = lanpo.Config(self_distill_coef=0.3, self_distill_div="jsd", feedback_model_coef=0.2, temperature=0.7,
+                       micro_batch=8)
+    stats = {}
+    loss = update.self_distill_loss(f, mb, cfg, {"teacher_tokens": 11}, stats)
+    taught = mask * torch.tensor([1.0, 0.0, 1.0])[:, None]
+    want, div = distill.self_distill_loss(distill.student_logprobs(logits, teacher_ids), teacher_logps, taught,
+                                          "jsd", 0.3, 11)
+    assert torch.equal(loss, want) and stats["self_distill_loss"] == [(want.item(), None)]
+    assert stats["self_distill_div"] == [(pytest.approx((div.sum() / 3).item()), 3.0)]
+    assert loss != distill.self_distill_loss(distill.student_logprobs(logits, teacher_ids), teacher_logps, taught,
+                                             "reverse_kl", 0.3, 11)[0]  # the divergence asked for matters
+    stats = {}
+    assert update.self_distill_loss(f, dataclasses.replace(mb, has_teacher=torch.zeros(rows, dtype=torch.bool)),
+                                    cfg, {"teacher_tokens": 11}, stats).item() == 0.0
+    assert "self_distill_div" not in stats  # no taught token: no divergence to average
+    assert update.self_distill_loss(dataclasses.replace(f, teacher_logps=None), mb, cfg, {}, {}) == 0.0
+
+    model, tokenizer = tiny
+    ids = lambda text: lanpo.token_ids(tokenizer, text)  # noqa: E731
+    texts = [(Completion(ids("Problem: 2 + 5. Attempt: 8."), ids(" Add the two numbers."), False, ""), 1.0),
+             (Completion(ids("Problem: 3 * 4."), ids(" Multiply, then check the product."), False, ""), 1.0),
+             (Completion(ids("Problem: 2 + 5. Attempt: 8."), ids(" Add the two numbers."), False, ""), 0.0)]
+    stats = {}
+    loss = update.feedback_model_loss(model, texts, cfg, {"feedback_tokens": 23}, stats, tokenizer.pad_token_id,
+                                      "cpu")
+    packed = pack([c for c, _ in texts], tokenizer.pad_token_id, "cpu")
+    logps = forwards.token_logprobs(model, *packed, 8)[0]  # temperature 1: a supervised target
+    nll = -(logps[0].sum() + logps[1].sum())
+    assert loss.item() == pytest.approx(0.2 * nll.item() / 23, rel=1e-5)
+    n_tokens = float(len(texts[0][0].completion_ids) + len(texts[1][0].completion_ids))
+    assert stats["feedback_model_loss"] == [(loss.item(), None)]
+    assert stats["feedback_model_ce"] == [(pytest.approx(nll.item() / n_tokens, rel=1e-5), n_tokens)]
+    hot = -(forwards.token_logprobs(model, *packed, 8, 0.7)[0][:2].sum())
+    assert abs(hot.item() - nll.item()) > 1e-3  # the temperature would change it: the check can fail
