@@ -592,3 +592,25 @@ def test_self_distill_and_feedback_model_terms_pass_their_settings_and_weights(t
     assert stats["feedback_model_ce"] == [(pytest.approx(nll.item() / n_tokens, rel=1e-5), n_tokens)]
     hot = -(forwards.token_logprobs(model, *packed, 8, 0.7)[0][:2].sum())
     assert abs(hot.item() - nll.item()) > 1e-3  # the temperature would change it: the check can fail
+
+
+def test_entropy_with_grad_is_the_logged_entropy_with_its_graph(tiny):
+    """Forward.entropy_with_grad (for a loss term of one's own): the same per-token entropies as the logged
+    statistic f.entropy, 0 outside the loss mask, and a gradient that reaches the weights."""
+    import prompts
+    from rollout import Completion, pack
+
+    model, tokenizer = tiny
+    prompt = lanpo.token_ids(tokenizer, prompts.render_prompt(tokenizer, "What is 2 + 5?", one_shot=False))
+    rows = [Completion(prompt, lanpo.token_ids(tokenizer, c), False, "") for c in (" 7<|im_end|>", " 2 + 5 is 7")]
+    ids, attn, cmask = pack(rows, tokenizer.pad_token_id, "cpu")
+    loss_mask = cmask * torch.tensor([1, 0])[:, None]  # the second row left out of the loss
+    mb = update.MicroBatch(ids, attn, cmask, torch.zeros(2), loss_mask)
+    cfg = lanpo.Config(temperature=0.7)
+    f = update.forward(model, mb, cfg)
+    h = f.entropy_with_grad()
+    torch.testing.assert_close(h, f.entropy, atol=1e-5, rtol=1e-5)
+    assert h.requires_grad and not f.entropy.requires_grad and h[1].abs().sum() == 0 and h[0].sum() > 0
+    model.zero_grad()
+    h.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
