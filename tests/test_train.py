@@ -614,3 +614,37 @@ def test_entropy_with_grad_is_the_logged_entropy_with_its_graph(tiny):
     model.zero_grad()
     h.sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_reference_log_probs_are_the_base_model_for_lora_and_the_frozen_copy_otherwise(tiny):
+    """update.reference_logprobs: with LoRA (no reference copy) the adapter-disabled model, whatever the
+    adapters learned; else the reference model given; each at the sampling temperature."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    import forwards
+    import prompts
+    from rollout import Completion, pack
+
+    base, tokenizer = tiny
+    lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():  # adapters that moved away from 0: the policy is no longer its base
+        for name, w in lora.named_parameters():
+            if "lora_B" in name:
+                w.normal_(0, 0.5)
+    prompt = lanpo.token_ids(tokenizer, prompts.render_prompt(tokenizer, "What is 2 + 5?", one_shot=False))
+    ids, attn, cmask = pack([Completion(prompt, lanpo.token_ids(tokenizer, " 2 + 5 = 7"), False, "")],
+                            tokenizer.pad_token_id, "cpu")
+    cfg = lanpo.Config(temperature=0.7, micro_batch=4)
+    want = forwards.token_logprobs(base, ids, attn, cmask, 4, 0.7)[0]
+    got = update.reference_logprobs(lora, None, ids, attn, cmask, cfg, 1, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    policy = forwards.token_logprobs(lora, ids, attn, cmask, 4, 0.7)[0]
+    assert (policy - want).abs().max() > 1e-3  # the adapters do change the policy: the check can fail
+    frozen = copy.deepcopy(base)
+    with torch.no_grad():
+        for w in frozen.parameters():
+            w.mul_(1.5)
+    torch.testing.assert_close(update.reference_logprobs(base, frozen, ids, attn, cmask, cfg, 1, 1),
+                               forwards.token_logprobs(frozen, ids, attn, cmask, 4, 0.7)[0], atol=1e-5, rtol=1e-5)
