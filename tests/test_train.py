@@ -4,6 +4,7 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import math
 import platform
 import re
 import subprocess
@@ -648,3 +649,79 @@ def test_reference_log_probs_are_the_base_model_for_lora_and_the_frozen_copy_oth
             w.mul_(1.5)
     torch.testing.assert_close(update.reference_logprobs(base, frozen, ids, attn, cmask, cfg, 1, 1),
                                forwards.token_logprobs(frozen, ids, attn, cmask, 4, 0.7)[0], atol=1e-5, rtol=1e-5)
+
+
+def _hand_update(model, b, cfg, pad_id, epochs):
+    """policy_update written out: per epoch every micro-batch's loss terms and the feedback texts' loss,
+    backward, the norm clipped, an SGD step; the norms and summed losses it saw."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms, losses = [], []
+    micro = update.micro_batches(model, None, b, cfg, pad_id, "cpu")  # pi_old: before the first step
+    for _ in range(epochs):
+        total = 0.0
+        for mb in micro:
+            loss = sum(term(update.forward(model, mb, cfg), mb, cfg, b.window, {}) for term in update.LOSS_TERMS)
+            loss.backward()
+            total += loss.item()
+        if b.feedback_texts:
+            loss = update.feedback_model_loss(model, b.feedback_texts, cfg, b.window, {}, pad_id, "cpu")
+            loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return norms, losses
+
+
+def test_policy_update_steps_once_per_epoch_on_the_whole_batch_and_skips_what_it_must(tiny):
+    """update.policy_update against the same update written out by hand (two epochs, two micro-batches and a
+    feedback text each, the gradient norm clipped): the same weights after, the mean gradient norm, the loss
+    summed over micro-batches and averaged over epochs, one scheduler step per epoch. A non-finite loss skips
+    every step and leaves the weights; a batch with nothing to learn runs no forward at all."""
+    import copy
+
+    from accelerate import Accelerator
+
+    import prompts
+    from rollout import Completion
+
+    model, tokenizer = tiny
+    texts = [(" 7<|im_end|>", 1.0), (" 2 + 5 = 8<|im_end|>", -1.0), (" 12 - 3 = 9<|im_end|>", 0.5),
+             (" 3<|im_end|>", -0.5)]
+    rows = [(prompts.render_prompt(tokenizer, prompts.problem_request(p), one_shot=False), c, a)
+            for p, (c, a) in zip(["What is 2 + 5?"] * 2 + ["Tom has 12 apples and eats 3."] * 2, texts)]
+    completions = [Completion(lanpo.token_ids(tokenizer, p), lanpo.token_ids(tokenizer, c), False, c)
+                   for p, c, _ in rows]
+    principle = Completion(lanpo.token_ids(tokenizer, "Problem: 2 + 5."), lanpo.token_ids(tokenizer, " Add."),
+                           False, "")
+    window = {"seqs": 4.0, "tokens": float(sum(len(c.completion_ids) for c in completions)),
+              "teacher_tokens": 0.0, "feedback_tokens": float(len(principle.completion_ids))}
+    b = update.UpdateBatch(completions, torch.tensor([a for _, _, a in rows]), None, None, [(principle, 1.0)],
+                           window, torch.ones(4))
+    cfg = lanpo.Config(micro_batch=2, ppo_epochs=2, max_grad_norm=0.05, feedback_model_coef=0.1, lr=0.1)
+    by_hand = copy.deepcopy(model)
+    norms, losses = _hand_update(by_hand, b, cfg, tokenizer.pad_token_id, 2)
+    assert min(norms) > 0.05  # clipping was active: the check of the clip can fail
+
+    trained = copy.deepcopy(model)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    steps = []
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: steps.append(s) or 1.0)
+    out = update.policy_update(trained, None, opt, scheduler, Accelerator(cpu=True), b, cfg, tokenizer.pad_token_id)
+    for p, q in zip(trained.parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    assert out["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-5)
+    assert out["loss"] == pytest.approx(sum(losses) / 2, rel=1e-5) and out["skipped_updates"] == 0.0
+    assert "feedback_model_ce" in out and out["time_update"] > 0 and steps == [0, 1, 2]  # built at 0, 2 steps
+
+    broken = copy.deepcopy(model)
+    opt = torch.optim.SGD(broken.parameters(), lr=0.1)
+    nan = dataclasses.replace(b, advantages=torch.tensor([float("nan"), 1.0, 0.5, -0.5]))
+    out = update.policy_update(broken, None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                               Accelerator(cpu=True), nan, cfg, tokenizer.pad_token_id)
+    assert out["skipped_updates"] == 2.0 and math.isnan(out["grad_norm"])
+    assert all(torch.equal(p, q) for p, q in zip(broken.parameters(), model.parameters(), strict=True))
+
+    idle = dataclasses.replace(b, window={**window, "seqs": 0.0, "feedback_tokens": 0.0})
+    assert update.policy_update(None, None, None, None, None, idle, cfg, tokenizer.pad_token_id) == {
+        "time_logprob": 0.0, "time_update": 0.0, "skipped_updates": 0.0}
