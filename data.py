@@ -219,7 +219,7 @@ def content_key(row: dict) -> str:
 ONE_SHOT_KEY = content_key({"content": "2 5", "answer": "7"})  # prompts.ONE_SHOT's "What is 2 + 5?"
 
 
-def twin_keys(problem: str, key: str = "") -> list[str]:
+def twin_keys(problem: str, key: str) -> list[str]:
     """What makes two problems one: the same twin_text, or the same content key (`key`; generated rows)."""
     return ["text " + twin_text(problem)] + (["content " + key] if key else [])
 

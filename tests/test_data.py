@@ -227,6 +227,10 @@ def test_held_out_twins_by_text_by_content_and_reworded():
                                     "then find $x + y + z.$", "answer": "22"}]  # math500-0238
     assert data.held_out_twins(train, held) == [("t1", "e1", "same text"), ("t2", "e2", "same content"),
                                                 ("t3", "e3", "reworded")]
+    # answers compare without their spacing, on either side ("22" = "2\,2" = "2 2")
+    for gold, spaced in (("22", "2\\,2"), ("2 2", "22")):
+        train[2]["answer"], held[2]["answer"] = gold, spaced
+        assert ("t3", "e3", "reworded") in data.held_out_twins(train, held), (gold, spaced)
 
 
 def test_shipped_training_and_held_out_files_share_the_listed_twins():
