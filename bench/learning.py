@@ -12,7 +12,7 @@ Per-problem verdicts are kept, so any other comparison can be made later.
     python bench/learning.py --seeds 0 --steps 2 --eval-size 32 --out-dir runs/bench/smoke   # smoke run
     python bench/learning.py --arms grpo-fp32 grpo-bf16-mixed --out-dir runs/bench/precision-learning  # ~50 min
     python bench/learning.py --arms grpo lanpo lanpo-raw lanpo-gamma0 --eval-size 121 --lr 1e-4 -- \
-        --dataset synthetic:rules --levels 1-2 --model qwen2.5-coder-1.5b --dtype bf16 --lora-rank 16
+        --dataset synthetic:rules-menu --levels 1-2 --model qwen2.5-coder-1.5b --dtype bf16 --lora-rank 16
 An interrupted benchmark continues where it stopped when run again with the same --out-dir: finished
 runs are kept (their verdicts.json), nothing is run twice.
 """
