@@ -162,7 +162,7 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
     rules = rule_families(seed)
     forbidden = {ONE_SHOT_ANSWER}
     if split != "train":
-        forbidden |= {r["answer"] for r in synthetic_rules("train", train_size, seed, levels, menu=menu)}
+        forbidden |= {r["answer"] for r in synthetic_rules("train", train_size, seed, levels)}  # the menu's alike
     rng = random.Random(f"rules-{split}-{seed}")
     menu_rng = random.Random(f"rules-menu-{split}-{seed}")  # its own draws: the menu's order says nothing
     order = rng.sample(RULE_FAMILIES, len(RULE_FAMILIES))

@@ -86,7 +86,7 @@ def per_problem_scores(records: list[dict], samples: int) -> dict[str, list[floa
 
 # ------------------------------------------------------------------------------------------------ running
 
-def _sample(model, tokenizer, texts: list[str], cfg, temperature: float, eos_ids: list[int], progress: str = ""):
+def _sample(model, tokenizer, texts: list[str], cfg, temperature: float, eos_ids: list[int], progress: str):
     return generate_completions(model, tokenizer, texts, eos_ids=eos_ids, max_new_tokens=cfg.max_new_tokens,
                                 temperature=temperature or 1.0, top_p=cfg.top_p, greedy=temperature == 0,
                                 batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill,

@@ -328,6 +328,15 @@ def test_a_hub_data_set_is_checked_then_loaded_by_its_id_and_split(monkeypatch):
         data.load_problems("someone/problems", "train")
 
 
+def test_a_benchmark_file_missing_from_data_is_named_with_the_folder_it_was_looked_for_in(tmp_path, monkeypatch):
+    monkeypatch.setitem(data.BENCHMARKS, "gone", "gone.jsonl")
+    with pytest.raises(SystemExit, match=r"^benchmark gone: gone.jsonl not found in the repository's data/; give a "
+                                         r"file path instead$"):
+        data.load_problems("gone", "test")
+    with pytest.raises(SystemExit, match=r"^benchmark gone: gone.jsonl not found in --data-dir "):
+        data.load_problems("gone", "test", data_dir=tmp_path)
+
+
 def test_a_file_with_no_rows_or_without_the_asked_columns_is_named(tmp_path):
     path = tmp_path / "none.json"
     path.write_text("[]")

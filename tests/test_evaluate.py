@@ -46,6 +46,7 @@ def test_summarize_by_hand():
         {"verdicts": [0.0, 0.0], "answers": ["7", "7"], "lengths": [30, 30], "truncated": [False, False]},
     ]
     s = scoring.summarize(records, 2)
+    assert scoring.summarize([dict(records[0], rewards=[0.5, 1.5])], 2)["reward"] == 1.0  # one problem, a --reward
     assert s["avg@2"] == 0.25 and s["pass@1"] == 0.25 and s["pass@2"] == 0.5
     assert s["maj@2"] == 0.25  # problem 1: tie 1-1 -> 0.5; problem 2: 0
     assert s["response_len"] == 22.5 and s["truncated"] == 0.25 and s["problems"] == 2
@@ -509,6 +510,9 @@ def test_evaluate_rows_samples_each_mode_with_its_prompts_labels_and_settings(ti
             assert r["turn2_rewards"] == [float(len(t)) for t in r["turn2_responses"]]
             assert r["turn2_lengths"] == [4, 5, 6] and r["turn2_truncated"] == [False, False, True]
             for j, prompt in enumerate(r["turn2_prompts"]):  # each sample reviews its own attempt alone
+                labels = {} if leak == "agnostic" else {"mode": leak, "rewards": [r["verdicts"][j]], "gold": r["gold"]}
+                assert prompt == scoring.reflect.reflection_prompt(tokenizer, r["problem"], [r["responses"][j]],
+                                                                   attempt_tokens=64, one_shot=True, **labels)[0]
                 assert [f"attempt {r['id']}-{n} of turn 1" in prompt for n in range(3)] == [n == j for n in range(3)]
                 assert (f"The correct final answer is {r['gold']}." in prompt) == (leak == "with-gold")
                 assert ("This attempt was" in prompt) == (leak == "with-reward")
