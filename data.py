@@ -183,7 +183,7 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
         taken[family].add(answer)
         text = rng.choice(RULE_TEMPLATES).format(family=family, a=a, b=b)
         if menu:
-            options = sorted({RULE_FORMULAS[formula](a, b) for formula in RULE_FORMULAS})
+            options = sorted({rule(a, b) for rule in RULE_FORMULAS.values()})
             text += f" It is one of: {', '.join(map(str, menu_rng.sample(options, len(options))))}."
         worked = re.sub(r"\b[ab]\b", lambda m: str({"a": a, "b": b}[m.group()]), rules[family])
         solution = f"The {family} of {a} and {b} is {worked} = {answer}. The answer is \\boxed{{{answer}}}."

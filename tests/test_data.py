@@ -1,6 +1,7 @@
 """data.py: the built-in generator and file loading with row-level errors."""
 
 import json
+import math
 import re
 
 import pytest
@@ -303,8 +304,9 @@ def test_blank_lines_quoted_line_breaks_and_parquet_files_are_read_whole(tmp_pat
                                                     ("row 1", {"id": "e", "problem": "S?", "answer": "5"})]
 
 
-def test_a_hub_data_set_is_checked_then_loaded_by_its_id_and_split(monkeypatch):
-    """owner/name and hub:<id> reach the hub as that id, with the asked split; a failing load is one line."""
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """The hub replaced: every check (hub.require) and load (datasets.load_dataset) recorded, each load one row."""
     import datasets
 
     import hub
@@ -313,6 +315,14 @@ def test_a_hub_data_set_is_checked_then_loaded_by_its_id_and_split(monkeypatch):
     monkeypatch.setattr(hub, "require", lambda *a: asked.append(("require", *a)))
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: asked.append(("load", a, k)) or
                         [{"id": "h", "problem": "H?", "answer": "6"}])
+    return asked
+
+
+def test_a_hub_data_set_is_checked_then_loaded_by_its_id_and_split(fake_hub, monkeypatch):
+    """owner/name and hub:<id> reach the hub as that id, with the asked split; a failing load is one line."""
+    import datasets
+
+    asked = fake_hub
     assert data.load_problems("someone/problems", "validation")[0] == [{"id": "h", "problem": "H?", "answer": "6"}]
     assert data.load_problems("hub:math500", "test")[0] == [{"id": "h", "problem": "H?", "answer": "6"}]
     assert asked == [("require", "someone/problems", "dataset", "--dataset", "README.md"),
@@ -363,40 +373,32 @@ def test_size_keeps_a_files_first_rows_and_no_levels_means_every_level(tmp_path)
         assert {r["level"] for r in rows} == set(range(1, count + 1)), spec
 
 
-def test_only_a_bare_name_near_a_benchmarks_is_called_a_typo(tmp_path, monkeypatch):
+def test_only_a_bare_name_near_a_benchmarks_is_called_a_typo(tmp_path, monkeypatch, fake_hub):
     """"math501" is a typo of math500, named with every benchmark; a hub id with a slash ("owner/math500") and
     an existing file named like a benchmark ("math50.jsonl", read by a path without a slash) are not."""
     with pytest.raises(SystemExit, match=r"^math501: no such benchmark; did you mean math500\? \(names: "
                                          + re.escape(", ".join(data.BENCHMARKS)) + r"; a hub data set is "):
         data.load_problems("math501", "train")
-    import datasets
-
-    import hub
-
-    monkeypatch.setattr(hub, "require", lambda *a: None)
-    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: [{"id": "h", "problem": "H?", "answer": "6"}])
-    assert data.load_problems("owner/math500", "train")[0][0]["id"] == "h"
+    assert data.load_problems("owner/math500", "train")[0][0]["id"] == "h" and fake_hub[0][1] == "owner/math500"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "math50.jsonl").write_text('{"id": "f", "problem": "F?", "answer": "7"}\n')
     assert data.load_problems("math50.jsonl", "train")[0][0]["id"] == "f"
 
 
 def worded_answer(text: str) -> tuple[int, str]:
-    """A synthetic:arith problem's answer and content key, computed from its wording alone."""
-    nums = [int(n) for n in re.findall(r"\d+", text)]
-    if "bags" in text:
-        return nums[0] * nums[1] + nums[2], f"* {min(nums[:2])} {max(nums[:2])} + {nums[2]}"
-    if "boxes" in text:
-        return nums[0] * nums[1] - nums[2], f"* {min(nums[:2])} {max(nums[:2])} - {nums[2]}"
-    if "gives away" in text:
-        return nums[0] - nums[1], f"- {nums[0]} {nums[1]}"
-    if "then finds" in text:
-        return sum(nums), "+ " + " ".join(map(str, sorted(nums)))
-    op = "*" if "*" in text else "+"
-    return (nums[0] * nums[1] if op == "*" else sum(nums)), f"{op} {min(nums)} {max(nums)}"
+    """A synthetic:arith problem's answer and content key, computed from its wording alone (`arithmetic`)."""
+    op, *parts = arithmetic(text)
+    if op in ("*+", "*-"):
+        (x, y), c = parts
+        return (x * y + c if op == "*+" else x * y - c), f"* {x} {y} {op[1]} {c}"
+    if op == "-":
+        a, b = parts
+        return a - b, f"- {a} {b}"
+    (nums,) = parts
+    return (math.prod(nums) if op == "*" else sum(nums)), " ".join([op, *map(str, nums)])
 
 
-# level -> the operand ranges its wording draws from, as _arith_problem's docstring and the README describe them
+# level -> the operand ranges its wording draws from (data._arith_problem's), written out again here
 ARITH_RANGES = {1: [(1, 9), (1, 9)], 2: [(10, 49), (1, 9)], 3: [(10, 99), (10, 99)], 4: [(2, 30)] * 3,
                 5: [(2, 9), (2, 9), (1, 20)], 6: [(2, 12), (2, 12), (2, 9)]}
 

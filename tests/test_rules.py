@@ -1,6 +1,6 @@
 """synthetic:rules, the hidden-rule task: families whose rule no problem states, held-out problems that are
 new members of training families, and the guards (no twins, no shared answers, retrieval no oracle);
-synthetic:rules-menu, the same with every candidate rule listed before the question."""
+synthetic:rules-menu, the same as multiple choice (every rule's value listed after the question)."""
 
 import re
 
