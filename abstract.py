@@ -191,7 +191,8 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
             else:
                 stats.cached_empty += 1
             continue
-        found = pool.similar(p["problem"], cfg.abstract_candidates, exclude_id=p["id"], content_key=content_key(p))
+        found = pool.similar(p["problem"], cfg.abstract_candidates, exclude_id=p["id"], content_key=content_key(p),
+                             solved=cfg.abstract_from == "solved")
         shown = [best_trial(trials) for _, trials in found]
         shown = [replace(t, response=shorten(t.response, tokenizer, cfg.attempt_tokens)) for t in shown]
         stats.candidates += len(shown)

@@ -221,6 +221,9 @@ class Config:
     abstract_mode: str = _f("principles", "what abstraction shows: principles (LANPO) or the raw retrieved "
                             "trajectories (ablation)", choices=["principles", "raw"], evaluation=True)
     abstract_candidates: int = _f(3, "K: similar problems retrieved from the pool per problem", evaluation=True)
+    abstract_from: str = _f("any", "which pool problems abstraction retrieves from: any, or solved (only problems "
+                            "with a trial of reward > 0: another problem's reward, never the query's label)",
+                            choices=["any", "solved"], evaluation=True)
     relevance_threshold: float = _f(0.9, "gamma: keep a candidate when P(Yes | relevant?) >= gamma; 0 keeps all",
                                     evaluation=True)
     relevance_text: str = _f("experience", "what the relevance judgement reads of a candidate: its problem and shown "

@@ -3,7 +3,8 @@ response, reward, step), with two queries that LANPO's feedback is built from:
 
 - `attempts(problem_id, k, kind)`: the model's own earlier responses to a problem, newest first, of one kind
   or any (reflection);
-- `similar(problem_text, k, exclude_id, content_key)`: other problems, ranked by a retriever (abstraction).
+- `similar(problem_text, k, exclude_id, content_key, solved)`: other problems (any, or only those with a
+  trial of reward > 0), ranked by a retriever (abstraction).
   A twin of the query is never offered, under any id: a problem with its text up to layout (`data.twin_text`)
   or, for generated problems, its operands and answer (`data.content_key`: "2 + 2" twins "2 * 2"). A twin's
   solution would carry the query's answer into its prompt.
@@ -160,13 +161,15 @@ class ExperiencePool:
         """The k newest trials on this problem (of this kind, when given), newest first."""
         return [t for t in self.trials.get(problem_id, [])[::-1] if kind in (None, t.kind)][:k]
 
-    def similar(self, problem_text: str, k: int, exclude_id: str | None = None,
-                content_key: str = "") -> list[tuple[float, list[Trial]]]:
+    def similar(self, problem_text: str, k: int, exclude_id: str | None = None, content_key: str = "",
+                solved: bool = False) -> list[tuple[float, list[Trial]]]:
         """Up to k other problems most similar to `problem_text`, best first, each as (score, its trials
         newest first). Neither `exclude_id` nor a twin of the query (its text up to layout, or its
-        `content_key`; any id) is offered."""
+        `content_key`; any id) is offered. solved: only problems with a kept trial of reward > 0."""
         exclude = {pid for key in twin_keys(problem_text, content_key) for pid in self.ids_by_key.get(key, ())}
         exclude |= {exclude_id} - {None}
+        if solved:
+            exclude |= {pid for pid, trials in self.trials.items() if not any(t.reward > 0 for t in trials)}
         hits = self.index.query(problem_text, k, exclude)
         return [(score, self.trials[pid][::-1]) for pid, score in hits]
 

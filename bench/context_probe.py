@@ -49,8 +49,9 @@ from rollout import generate_completions  # noqa: E402
 CONTEXTS = ("none", "reflect", "principles", "principles-irrelevant", "raw", "gold")
 SETTINGS = ("model", "dtype", "seed", "dataset", "data_dir", "split", "levels", "synthetic_size", "train_size",
             "id_field", "problem_field", "answer_field", "skip_bad_rows", "eval_dataset", "eval_split", "eval_size",
-            "one_shot", "max_new_tokens", "attempt_tokens", "abstract_candidates", "relevance_threshold",
-            "abstract_max_tokens", "gen_batch", "share_prefill", "cpu_rows_first_matmul", "relevance_question")
+            "one_shot", "max_new_tokens", "attempt_tokens", "abstract_candidates", "abstract_from",
+            "relevance_threshold", "abstract_max_tokens", "gen_batch", "share_prefill", "cpu_rows_first_matmul",
+            "relevance_question")
 
 
 def family_of(row: dict) -> str | None:
@@ -142,7 +143,8 @@ def judge_report(model, tokenizer, rows: list[dict], pool: ExperiencePool, shown
     the problems that have one)."""
     pairs, same, owner = {"experience": [], "problem": []}, [], []
     for i, row in enumerate(rows):
-        for _, trials in pool.similar(row["problem"], cfg.abstract_candidates, row["id"], data.content_key(row)):
+        for _, trials in pool.similar(row["problem"], cfg.abstract_candidates, row["id"], data.content_key(row),
+                                      solved=cfg.abstract_from == "solved"):
             t = shown[trials[0].problem_id]
             pairs["experience"].append(prompts.relevance_request(row["problem"], t.problem, t.response,
                                                                  cfg.relevance_question))

@@ -94,6 +94,41 @@ def test_similar_never_offers_a_problem_with_the_querys_operands_and_answer():
     assert "a" not in pool.trials and all("a" not in ids for ids in pool.ids_by_key.values())
 
 
+def test_similar_solved_offers_only_problems_with_a_kept_trial_of_positive_reward():
+    """--abstract-from solved: a problem is a candidate only while one of its kept trials has reward > 0 (a
+    success evicted by the per-problem cap no longer counts); the ranking among the solved is unchanged."""
+    pool = ExperiencePool(max_per_problem=2)
+    pool.add([trial("near", "Tom has 12 apples.", reward=0.0), trial("mid", "Tom has 12 pears.", reward=1.0),
+              trial("far", "Ana has 3 pencils.", reward=0.5)])
+    assert [ts[0].problem_id for _, ts in pool.similar("Tom has 13 apples.", 5)] == ["near", "mid", "far"]
+    assert [ts[0].problem_id for _, ts in pool.similar("Tom has 13 apples.", 5, solved=True)] == ["mid", "far"]
+    assert [ts[0].problem_id for _, ts in pool.similar("Tom has 13 apples.", 1, solved=True)] == ["mid"]
+    pool.add([trial("near", "Tom has 12 apples.", reward=1.0, step=2)])  # near is solved now
+    assert [ts[0].problem_id for _, ts in pool.similar("Tom has 13 apples.", 5, solved=True)] == ["near", "mid", "far"]
+    pool.add([trial("mid", "Tom has 12 pears.", step=s) for s in (2, 3)])  # its success leaves the cap of 2
+    assert [ts[0].problem_id for _, ts in pool.similar("Tom has 13 apples.", 5, solved=True)] == ["near", "far"]
+
+
+def test_abstract_from_solved_shows_only_solved_candidates(tiny, capsys):
+    """Through abstraction (lessons_for): with --abstract-from solved the retrieved candidates, and the raw
+    lessons built from them, are the solved problems only; with any, all of them."""
+    model, tokenizer = tiny
+    pool = ExperiencePool()
+    pool.add([trial(f"o{i}", f"Tom has {i} apples and gets {i} more.", f"{i} + {i} = {2 * i}", float(i % 2))
+              for i in range(4)])
+    problem = [{"id": "cur", "problem": "Tom has 9 apples and gets 9 more."}]
+    for source, expected in (("any", {"o0", "o1", "o2", "o3"}), ("solved", {"o1", "o3"})):
+        cfg = lanpo.Config(abstract_candidates=4, relevance_threshold=0.0, abstract_mode="raw", abstract_refresh=1,
+                           attempt_tokens=64, gen_batch=4, abstract_from=source)
+        lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg, [2])
+        assert {other for _, other in stats.pairs} == expected and stats.kept == len(expected)
+        assert lessons["cur"].count("its final answer was correct") == 2
+        assert lessons["cur"].count("its final answer was incorrect") == len(expected) - 2
+    with pytest.raises(SystemExit):
+        lanpo.parse_config(["--abstract-from", "best"])
+    assert "argument --abstract-from: invalid choice: 'best'" in capsys.readouterr().err
+
+
 def test_tfidf_is_incremental_equal_to_rebuild():
     incremental, rebuilt = ExperiencePool(max_problems=3), ExperiencePool(max_problems=3)
     items = [trial(str(i), f"word{i % 4} shared problem {i}") for i in range(6)]
