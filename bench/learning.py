@@ -14,12 +14,15 @@ Per-problem verdicts are kept, so any other comparison can be made later.
     python bench/learning.py --arms grpo lanpo lanpo-raw lanpo-gamma0 --eval-size 121 --lr 1e-4 -- \
         --dataset synthetic:rules-menu --levels 1-2 --model qwen2.5-coder-1.5b --dtype bf16 --lora-rank 16
 An interrupted benchmark continues where it stopped when run again with the same --out-dir: finished
-runs are kept (their verdicts.json), nothing is run twice.
+runs are kept (their verdicts.json), nothing is run twice. Each result records the flags that made it; one
+made with other settings stops the bench with the settings that differ (memory-only settings aside, so a
+rerun with a smaller --micro-batch or --gen-batch still pairs with the runs before it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -46,6 +49,7 @@ ARMS = {  # name -> the flags that make it (on top of the common ones)
     "lanpo+strip": ["--feedback", "both", "--feedback-grad", "strip"],
     "lanpo-raw": ["--feedback", "both", "--abstract-mode", "raw"],
     "lanpo-gamma0": ["--feedback", "both", "--relevance-threshold", "0"],
+    "lanpo-solved": ["--feedback", "both", "--abstract-from", "solved"],  # abstraction from solved problems only
     "leak-gold": ["--feedback", "reflect", "--reflect-mode", "with-gold"],  # the labelled upper bound
     # precision: the same GRPO in fp32 and in bf16-mixed (both final models evaluated alike, in the common dtype)
     "grpo-fp32": ["--feedback", "none", "--dtype", "fp32"],
@@ -67,14 +71,35 @@ def verdicts(model_dir: str, rows: list[dict], cfg: lanpo.Config) -> list[float]
     return [r["verdicts"][0] for r in records]
 
 
-def cached(path: Path, compute) -> dict:
-    """The JSON at `path`, computed and written first if missing (so a rerun skips finished work)."""
+# settings that change only memory and batching, not what is computed (up to float rounding): a finished run
+# is reused under other values of these, so a rerun that fits in less memory still pairs with it
+MEMORY_ONLY = ("micro_batch", "gen_batch", "gradient_checkpointing", "update_chunks", "share_prompt_forward")
+
+
+def changed_flags(recorded: list[str], flags: list[str]) -> list[str]:
+    """The settings (as lanpo.Config fields) on which two flag lists differ, memory-only ones aside."""
+    old, new = lanpo.parse_config(recorded), lanpo.parse_config(flags)
+    return [f.name for f in dataclasses.fields(old)
+            if f.name not in MEMORY_ONLY and getattr(old, f.name) != getattr(new, f.name)]
+
+
+def cached(path: Path, compute, flags: list[str]) -> dict:
+    """The JSON at `path`, computed and written first if missing (so a rerun skips finished work). A result
+    records the lanpo.py flags that made it: reused under other flags, it would be silently another
+    experiment, so that stops with the settings that differ."""
     if not path.exists():
-        result = compute()
+        result = {**compute(), "flags": flags}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.with_suffix(".tmp").write_text(json.dumps(result))
         path.with_suffix(".tmp").replace(path)
-    return json.loads(path.read_text())
+    result = json.loads(path.read_text())
+    if "flags" not in result:
+        raise SystemExit(f"{path} does not record the flags that made it: move it away and rerun")
+    changed = changed_flags(result["flags"], flags)
+    if changed:
+        raise SystemExit(f"{path} was made with other settings ({', '.join(changed)}): use another --out-dir, or "
+                         f"move it away and rerun")
+    return result
 
 
 def train_and_evaluate(name: str, seed: int, common: list[str], rows: list[dict], cfg: lanpo.Config,
@@ -110,12 +135,13 @@ def main() -> None:
     for seed in args.seeds:
         cfg = lanpo.parse_config(common + ["--seed", str(seed)])
         rows = heldout_rows(cfg)
-        base[seed] = cached(out / f"base/seed{seed}.json",
-                            lambda: {"verdicts": verdicts(cfg.model, rows, cfg)})["verdicts"]
+        base[seed] = cached(out / f"base/seed{seed}.json", lambda: {"verdicts": verdicts(cfg.model, rows, cfg)},
+                            common + ["--seed", str(seed)])["verdicts"]
         for name in args.arms:
             run_dir = out / name / f"seed{seed}"
             final[name][seed] = cached(out / name / f"seed{seed}.json",
-                                       lambda: train_and_evaluate(name, seed, common, rows, cfg, run_dir))
+                                       lambda: train_and_evaluate(name, seed, common, rows, cfg, run_dir),
+                                       ARMS[name] + common + ["--seed", str(seed)])
             curves[name].append(plot.read_metrics(run_dir))
             print(f"{name} seed {seed}: base {sum(base[seed]) / len(rows):.3f} -> "
                   f"{sum(final[name][seed]['verdicts']) / len(rows):.3f}", flush=True)

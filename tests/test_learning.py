@@ -8,6 +8,8 @@ reward then falls towards 0), so they watch the sign, the completion mask and th
 not only that the loop runs."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +57,24 @@ def test_lanpo_learns_with_feedback_both(tiny_model_dir, tmp_path, monkeypatch):
         assert sum(r[f"{kind}/count"] for r in made) >= 40, kind
         late = [r[f"{kind}/reward"] for r in made[-5:]]
         assert sum(late) / len(late) > 0.8, (kind, late)
+
+
+def test_learning_bench_reuses_a_result_only_under_the_flags_that_made_it(tmp_path):
+    """bench/learning.py's cache: a finished result is reused when the settings match, also under other
+    memory-only settings; a result made with another setting, or recording no flags, stops the bench."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import learning
+
+    path, calls = tmp_path / "grpo/seed0.json", []
+    flags = ["--feedback", "none", "--lr", "1e-4", "--seed", "0"]
+    assert learning.cached(path, lambda: calls.append(1) or {"verdicts": [1.0]}, flags) == {
+        "verdicts": [1.0], "flags": flags}
+    again = learning.cached(path, lambda: calls.append(1) or {}, flags + ["--micro-batch", "4", "--gen-batch", "8"])
+    assert again["verdicts"] == [1.0] and calls == [1]  # computed once, reused under memory-only changes
+    with pytest.raises(SystemExit, match=r"other settings \(seed, lr\)"):
+        learning.cached(path, dict, ["--feedback", "none", "--lr", "2e-4", "--seed", "1"])
+    with pytest.raises(SystemExit, match=r"other settings \(abstract_from\)"):
+        learning.cached(path, dict, flags + ["--abstract-from", "solved"])
+    path.write_text(json.dumps({"verdicts": [1.0]}))
+    with pytest.raises(SystemExit, match="does not record the flags"):
+        learning.cached(path, dict, flags)
