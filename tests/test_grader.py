@@ -147,14 +147,19 @@ def test_no_code_execution(tmp_path):
     assert not marker.exists()
 
 
-def test_timeouts_are_counted():
-    before = math_grader.timeouts()
-    # a symbolic check given no time at all (the answer is polled for once, right after the request): the
-    # grader process is killed and restarted, the answer scores 0. 0.1 ms was not enough to be sure: on a
-    # fast machine the answer (a sub-millisecond check) sometimes arrived within it
-    assert grade("\\boxed{5\\sqrt{7}}", "\\sqrt{175}", timeout=0) == 0.0
-    assert math_grader.timeouts() == before + 1
-    assert grade("\\boxed{5\\sqrt{7}}", "\\sqrt{175}") == 1.0  # and the next check works again
+def test_timeouts_are_counted(monkeypatch):
+    """A symbolic check that outlives its time bound scores 0 and is counted, and the killed worker is replaced:
+    the workers here never answer (they sleep), so nothing races the bound; then the real grader again."""
+    sleeper = "import sys, time\nprint('ready', flush=True)\nfor line in sys.stdin:\n    time.sleep(60)"
+    monkeypatch.setattr(math_grader, "_POOL", math_grader.ProcessPool(1, sleeper, "a worker that never answers"))
+    assert math_grader.fast_verdict("5\\sqrt{7}", "\\sqrt{175}") is None  # the check goes to a worker
+    assert grade("\\boxed{5\\sqrt{7}}", "\\sqrt{175}", timeout=0.2) == 0.0
+    assert math_grader.timeouts() == 1 and math_grader._POOL.processes[0].proc is None  # killed
+    assert grade("\\boxed{5\\sqrt{7}}", "\\sqrt{175}", timeout=0.2) == 0.0  # asked a fresh worker
+    assert math_grader.timeouts() == 2
+    math_grader._POOL.close()
+    monkeypatch.undo()
+    assert grade("\\boxed{5\\sqrt{7}}", "\\sqrt{175}") == 1.0  # the real grader is untouched
 
 
 # Answer forms models write every day, each family in both directions (equal pairs and near misses)
