@@ -1,5 +1,6 @@
 """CPU-only speed-ups, applied in one place (`speed_up`) by training, evaluation and the benches: glibc's malloc
-told to keep the memory a step frees (`keep_freed_host_memory`), and linear layers that compute few-row
+told to keep the memory a step frees (`keep_freed_host_memory`; `return_freed_host_memory` under
+`--cpu-host-memory return`), and linear layers that compute few-row
 no-grad products as W·xᵀ (`RowsFirstLinear`). Neither changes what is computed beyond float summation order;
 GPU runs take neither. `native_bf16` says whether the CPU computes bf16 in hardware (what --dtype auto reads).
 """
@@ -9,10 +10,11 @@ from __future__ import annotations
 import torch
 
 
-def speed_up(model=None, rows_first: bool = True) -> bool:
-    """The process's malloc settings, and (with a model and rows_first) its rows-first linear layers; returns
+def speed_up(model=None, rows_first: bool = True, host_memory: str = "keep") -> bool:
+    """The process's malloc settings (host_memory: keep, `keep_freed_host_memory`, or return,
+    `return_freed_host_memory`), and (with a model and rows_first) its rows-first linear layers; returns
     whether malloc took the settings (glibc only)."""
-    kept = keep_freed_host_memory()
+    kept = keep_freed_host_memory() if host_memory == "keep" else return_freed_host_memory()
     if model is not None and rows_first:
         rows_first_linears(model)
     return kept
@@ -59,9 +61,29 @@ def keep_freed_host_memory() -> bool:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # glibc's <malloc.h>
-    settings = ((m_trim_threshold, -1), (m_top_pad, 2**30), (m_mmap_threshold, 32 * 2**20))  # -1: never trim
+    settings = ((M_TRIM_THRESHOLD, -1), (M_TOP_PAD, 2**30), (M_MMAP_THRESHOLD, 32 * 2**20))  # -1: never trim
     return all([mallopt(param, value) == 1 for param, value in settings])
+
+
+def return_freed_host_memory() -> bool:
+    """Make glibc's malloc map every block of 1 MB or more on its own, so freeing it returns it to the kernel;
+    returns whether it could (glibc only). The resident size follows the live tensors, at the price of
+    faulting them in at each allocation (`keep_freed_host_memory`'s trade, the other way round). Under keep,
+    blocks under 32 MB come from a heap that is never trimmed, and on a model near the machine's memory the
+    heap's free gaps grow step by step: Qwen2.5-Coder-1.5B LoRA LANPO steps went from 10 to 16 GB resident
+    between steps, 24 GB at the update's peak, over six steps (docs/evaluation.md)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    settings = ((M_MMAP_THRESHOLD, 2**20), (M_TRIM_THRESHOLD, 2**20), (M_TOP_PAD, 0))
+    return all([mallopt(param, value) == 1 for param, value in settings])
+
+
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's parameters, glibc's <malloc.h>
 
 
 class RowsFirstLinear(torch.nn.Linear):

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     if torch.cuda.is_available():
         model = model.to("cuda")
     else:
-        cpu.speed_up(model, args.cpu_rows_first_matmul)
+        cpu.speed_up(model, args.cpu_rows_first_matmul, args.cpu_host_memory)
     eos_ids = models.eos_token_ids(model, tokenizer)
     if pool is not None and args.retriever == "policy":  # retrieval by the policy's hidden states, as in training
         pool = ExperiencePool(args.pool_per_problem, args.pool_max_problems,

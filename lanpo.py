@@ -152,6 +152,11 @@ class Config:
                                 "torch.compile (CUDA graphs on GPU; rollout.generate_completions): the same samples "
                                 "to float rounding, less per-token overhead; compiling costs seconds to minutes per "
                                 "new batch size or cache length (compiled_graphs, compile_s)", evaluation=True)
+    cpu_host_memory: str = _f("keep", "on CPU, what glibc's malloc does with the memory a step frees: keep it for "
+                              "the next step (faster updates; the resident size stays at its peak and can grow "
+                              "between steps), or return it (blocks of 1 MB or more mapped on their own: the "
+                              "resident size follows use; for a model near the machine's memory)",
+                              choices=["keep", "return"], evaluation=True)
     cpu_rows_first_matmul: bool = _f(True, "on CPU, compute fp32 linear layers of no-grad forwards on up to 64 rows "
                                      "(decoding) as W·xᵀ, which MKL runs 2-8x faster than x·Wᵀ at that shape "
                                      "(cpu.RowsFirstLinear): the same products, summed in another order; "
@@ -968,7 +973,7 @@ def setup(cfg: Config) -> Run:
                        if threading.current_thread() is threading.main_thread() else None)  # only it may
     model = models.load_policy(cfg.model, dtype, cfg.gradient_checkpointing, cfg.lora_rank, cfg.lora_alpha,
                                cfg.lora_targets)
-    if accelerator.device.type == "cpu" and not cpu.speed_up(model, cfg.cpu_rows_first_matmul):
+    if accelerator.device.type == "cpu" and not cpu.speed_up(model, cfg.cpu_rows_first_matmul, cfg.cpu_host_memory):
         accelerator.print("malloc is not glibc's: CPU updates may spend much of their time re-faulting freed memory")
     eos_ids = models.eos_token_ids(model, tokenizer)
     ref_model = None

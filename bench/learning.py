@@ -73,7 +73,8 @@ def verdicts(model_dir: str, rows: list[dict], cfg: lanpo.Config) -> list[float]
 
 # settings that change only memory and batching, not what is computed (up to float rounding): a finished run
 # is reused under other values of these, so a rerun that fits in less memory still pairs with it
-MEMORY_ONLY = ("micro_batch", "gen_batch", "gradient_checkpointing", "update_chunks", "share_prompt_forward")
+MEMORY_ONLY = ("micro_batch", "gen_batch", "gradient_checkpointing", "update_chunks", "share_prompt_forward",
+               "cpu_host_memory")
 
 
 def changed_flags(recorded: list[str], flags: list[str]) -> list[str]:
