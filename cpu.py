@@ -54,15 +54,7 @@ def keep_freed_host_memory() -> bool:
     benchmarks the kernel's time exceeded the compute (sys 104 s against user 75 s in six updates). Here:
     no trimming, 1 GB of heap growth at a time, and a fixed 32 MB above which blocks are mapped (and
     returned) on their own. The resident size stays at its peak instead of shrinking between steps."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    settings = ((M_TRIM_THRESHOLD, -1), (M_TOP_PAD, 2**30), (M_MMAP_THRESHOLD, 32 * 2**20))  # -1: never trim
-    return all([mallopt(param, value) == 1 for param, value in settings])
+    return _mallopt(((M_TRIM_THRESHOLD, -1), (M_TOP_PAD, 2**30), (M_MMAP_THRESHOLD, 32 * 2**20)))  # -1: never trim
 
 
 def return_freed_host_memory() -> bool:
@@ -72,6 +64,14 @@ def return_freed_host_memory() -> bool:
     blocks under 32 MB come from a heap that is never trimmed, and on a model near the machine's memory the
     heap's free gaps grow step by step: Qwen2.5-Coder-1.5B LoRA LANPO steps went from 10 to 16 GB resident
     between steps, 24 GB at the update's peak, over six steps (docs/evaluation.md)."""
+    return _mallopt(((M_MMAP_THRESHOLD, 2**20), (M_TRIM_THRESHOLD, 2**20), (M_TOP_PAD, 0)))
+
+
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's parameters, glibc's <malloc.h>
+
+
+def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
+    """glibc's mallopt(param, value) for each setting; whether every one took (False without glibc)."""
     import ctypes
     import ctypes.util
 
@@ -79,11 +79,7 @@ def return_freed_host_memory() -> bool:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    settings = ((M_MMAP_THRESHOLD, 2**20), (M_TRIM_THRESHOLD, 2**20), (M_TOP_PAD, 0))
     return all([mallopt(param, value) == 1 for param, value in settings])
-
-
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's parameters, glibc's <malloc.h>
 
 
 class RowsFirstLinear(torch.nn.Linear):
