@@ -62,7 +62,7 @@ def return_freed_host_memory() -> bool:
     returns whether it could (glibc only). The resident size follows the live tensors, at the price of
     faulting them in at each allocation (`keep_freed_host_memory`'s trade, the other way round). Under keep,
     blocks under 32 MB come from a heap that is never trimmed, and on a model near the machine's memory the
-    heap's free gaps grow step by step: Qwen2.5-Coder-1.5B LoRA LANPO steps went from 10 to 16 GB resident
+    resident size can grow step by step: Qwen2.5-Coder-1.5B LoRA LANPO steps went from 10 to 16 GB resident
     between steps, 24 GB at the update's peak, over six steps (docs/evaluation.md)."""
     return _mallopt(((M_MMAP_THRESHOLD, 2**20), (M_TRIM_THRESHOLD, 2**20), (M_TOP_PAD, 0)))
 
