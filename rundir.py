@@ -128,10 +128,14 @@ def truncate_metrics(path: Path, done_steps: int) -> None:
     os.replace(tmp, path)
 
 
+# settings that change memory use, float order or how sampling's random draws are batched, never the algorithm:
+# a resumed run may change them (the out-of-memory hints name them), and bench/learning.py reuses a result made
+# under other values of them
+MEMORY_ONLY = ("micro_batch", "gen_batch", "gradient_checkpointing", "update_chunks", "share_prefill",
+               "share_prompt_forward", "cpu_rows_first_matmul", "cpu_host_memory")
 # settings a resumed run may change: its training stays the same
 RESUMABLE = ("resume", "out_dir", "steps", "save_every", "keep_last", "final_checkpoint", "eval_every",
-             "eval_at_start", "report_to", "wandb_project", "max_bad_updates",
-             "share_prefill", "share_prompt_forward")  # the same sampling and gradient, another float order
+             "eval_at_start", "report_to", "wandb_project", "max_bad_updates", *MEMORY_ONLY)
 
 
 LOCK = "run.lock"  # {"pid", "host"} of the process whose run writes the directory

@@ -37,6 +37,7 @@ import data  # noqa: E402
 import lanpo  # noqa: E402
 import models  # noqa: E402
 import plot  # noqa: E402
+import rundir  # noqa: E402
 import scoring  # noqa: E402
 import stats  # noqa: E402
 
@@ -71,17 +72,11 @@ def verdicts(model_dir: str, rows: list[dict], cfg: lanpo.Config) -> list[float]
     return [r["verdicts"][0] for r in records]
 
 
-# settings that change only memory and batching, not what is computed (up to float rounding): a finished run
-# is reused under other values of these, so a rerun that fits in less memory still pairs with it
-MEMORY_ONLY = ("micro_batch", "gen_batch", "gradient_checkpointing", "update_chunks", "share_prompt_forward",
-               "cpu_host_memory")
-
-
 def changed_flags(recorded: list[str], flags: list[str]) -> list[str]:
     """The settings (as lanpo.Config fields) on which two flag lists differ, memory-only ones aside."""
     old, new = lanpo.parse_config(recorded), lanpo.parse_config(flags)
     return [f.name for f in dataclasses.fields(old)
-            if f.name not in MEMORY_ONLY and getattr(old, f.name) != getattr(new, f.name)]
+            if f.name not in rundir.MEMORY_ONLY and getattr(old, f.name) != getattr(new, f.name)]
 
 
 def cached(path: Path, compute, flags: list[str]) -> dict:

@@ -104,6 +104,11 @@ def test_resume_refuses_changed_training_settings_and_allows_the_rest(no_model, 
     with pytest.raises(AssertionError, match="a model was loaded"):
         lanpo.main(lanpo.parse_config(["--out-dir", str(run), "--resume", "--lr", "1e-05", "--steps", "20",
                                        "--save-every", "5", "--report-to", "none"]))
+    # what the out-of-memory hints name (smaller micro- and generate batches, checkpointing): accepted too
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        lanpo.main(lanpo.parse_config(["--out-dir", str(run), "--resume", "--lr", "1e-05", "--micro-batch", "2",
+                                       "--gen-batch", "8", "--gradient-checkpointing", "--no-share-prompt-forward",
+                                       "--cpu-host-memory", "return"]))
 
 
 def test_resume_dir_alone_takes_the_runs_saved_settings(no_model, tmp_path):
