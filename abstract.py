@@ -173,7 +173,7 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
                     cfg) -> PendingLessons:
     """Steps 1 and 2 (candidates, relevance) for each problem whose cache entry is missing or older than
     --abstract-refresh steps; cache hits are served as they are. What is left to generate is in `requests`.
-    cfg (lanpo.Config) gives K (--abstract-candidates), gamma (--relevance-threshold), --relevance-top,
+    cfg (config.Config) gives K (--abstract-candidates), gamma (--relevance-threshold), --relevance-top,
     --relevance-question, --abstract-mode, --attempt-tokens, --relevance-text and --share-prefill."""
     gamma, mode = cfg.relevance_threshold, cfg.abstract_mode
     stats = AbstractionStats()
@@ -251,7 +251,7 @@ def finish_lessons(pending: PendingLessons, outs: list, cache: dict, step: int, 
 def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, cfg,
                 eos_ids: list[int]) -> tuple[dict[str, str], AbstractionStats]:
     """Lessons (principles, or raw trajectories under --abstract-mode raw) for each problem that has relevant
-    experience in the pool; problems without any are absent from the result. cfg is lanpo.Config: besides
+    experience in the pool; problems without any are absent from the result. cfg is config.Config: besides
     prepare_lessons' settings, principles are generated greedily up to --abstract-max-tokens, --gen-batch
     prompts a call.
 

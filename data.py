@@ -426,3 +426,48 @@ def validate_rows(records: list[tuple[str, dict]], source: str, id_field: str, p
     if not rows:
         raise SystemExit(f"{source}: no usable rows ({dict(skipped)})")
     return rows, skipped
+
+
+def parse_levels(text: str) -> list[int]:
+    """'1-3' -> [1, 2, 3]; '1,4' -> [1, 4]; every level in 1..ARITH_LEVELS."""
+    try:
+        if "-" in text:
+            lo, hi = text.split("-")
+            levels = list(range(int(lo), int(hi) + 1))
+        else:
+            levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--levels {text!r}: expected a range like 1-3 or a list like 1,2,5") from None
+    if not levels or not all(1 <= level <= ARITH_LEVELS for level in levels):
+        raise SystemExit(f"--levels {text!r}: synthetic:arith has levels 1-{ARITH_LEVELS}; a range goes "
+                         "from low to high (e.g. 1-3)")
+    return levels
+
+
+def load_rows(cfg) -> tuple[list[dict], list[dict], Counter]:
+    """The problems of a run's settings (cfg: config.Config): training problems, held-out problems (none when
+    never evaluated) and the rows skipped: bad rows, and training problems that twin a held-out one
+    (`twin_of_held_out`; --eval-overlap refuse stops instead)."""
+    levels = parse_levels(cfg.levels)
+    train_size = cfg.synthetic_size if cfg.dataset.startswith("synthetic:") else cfg.train_size
+    fields = {"id_field": cfg.id_field, "problem_field": cfg.problem_field, "answer_field": cfg.answer_field}
+    fields["data_dir"] = Path(cfg.data_dir) if cfg.data_dir else DATA_DIR
+    train_rows, skipped = load_problems(cfg.dataset, cfg.split, size=train_size, seed=cfg.seed, levels=levels,
+                                        skip_bad=cfg.skip_bad_rows, **fields)
+    eval_spec = cfg.eval_dataset or (cfg.dataset if cfg.dataset.startswith("synthetic:") else "")
+    eval_rows = load_problems(eval_spec, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed, levels=levels,
+                              train_size=train_size, **fields)[0] if eval_spec and cfg.eval_every else []
+    twins = held_out_twins(train_rows, eval_rows)
+    if twins and cfg.eval_overlap == "refuse":
+        shown = ", ".join(f"{t} = {e} ({how})" for t, e, how in twins[:5])
+        raise SystemExit(f"--dataset {cfg.dataset}: {len(twins)} training problems are held-out problems of "
+                         f"{eval_spec} in other words: {shown}{' ...' if len(twins) > 5 else ''} "
+                         "(--eval-overlap drop trains without them)")
+    if twins:
+        dropped = {t for t, _, _ in twins}
+        train_rows = [r for r in train_rows if r["id"] not in dropped]
+        if not train_rows:
+            raise SystemExit(f"--dataset {cfg.dataset}: every training problem is a held-out problem of {eval_spec} "
+                             "in other words: train and evaluate on different problems")
+        skipped["twin_of_held_out"] += len(dropped)
+    return train_rows, eval_rows, skipped

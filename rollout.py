@@ -265,6 +265,11 @@ def generate_completions(model, tokenizer, prompts: list[str], *, eos_ids: list[
     return results
 
 
+def token_ids(tokenizer, text: str) -> torch.Tensor:
+    """A rendered prompt's token ids, as generate_completions encodes it (its special tokens are in the text)."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+
+
 def pack(completions: list[Completion], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[left-padded prompt | right-padded completion] rows: input_ids, attention_mask [N, P+C] and
     completion_mask [N, C]. Every completion starts at column P, which token_logprobs relies on."""

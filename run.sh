@@ -141,10 +141,10 @@ MATRIX
     root=${ABLATE_DIR:-runs/ablate}
     echo "$(echo "$matrix" | wc -l) arms, each into $root/<name> (extra flags: ${*:-none}):"
     # every arm's settings checked and its directory looked at once, before any arm starts
-    plan=$(python -c 'import sys, lanpo, rundir
+    plan=$(python -c 'import sys, config, rundir
 for line in sys.stdin.read().splitlines():
     name, flags = line.split(maxsplit=1)
-    cfg = lanpo.parse_config(["--out-dir", f"{sys.argv[1]}/{name}", "--lr", "2e-5", *flags.split(), *sys.argv[2:]])
+    cfg = config.parse_config(["--out-dir", f"{sys.argv[1]}/{name}", "--lr", "2e-5", *flags.split(), *sys.argv[2:]])
     print(name, rundir.ablation_arm(cfg), flags, sep="\t")' "$root" "$@" <<< "$matrix")
     failed=()
     while IFS=$'\t' read -r name action flags; do

@@ -1,8 +1,8 @@
 """The run directory: one run at a time (a lock file), what is in it decides whether a run may start (a used
 --out-dir is refused; a run that stopped before its first checkpoint is started again; --resume must not
 change the training), checkpoints written atomically, metrics and held-out lines appended one at
-a time and cut back on resume, wandb started or explained, and Ctrl-C turned into a line naming what to
-resume from. Nothing already written is lost.
+a time and cut back on resume, wandb started or explained, and Ctrl-C or running out of memory turned into a
+line naming what to resume from. Nothing already written is lost.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+
+import torch
 
 from pool import ExperiencePool
 
@@ -387,3 +389,14 @@ def interrupted(out_dir: Path):
               file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)  # 130: the shell's code for a run stopped by Ctrl-C
     return stop
+
+
+@contextlib.contextmanager
+def oom_hint(phase: str, remedy: str, out_dir: Path):
+    """Turn an accelerator out-of-memory error into a message that says what to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        saved = [p.name for p in checkpoint_dirs(out_dir)]
+        raise SystemExit(f"out of memory during {phase}: try {remedy}. Checkpoints so far: {saved or 'none'} "
+                         f"(resume with --resume)") from None

@@ -118,7 +118,7 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, cfg, eos_ids: l
                   progress: str = "", samples: int = 1,
                   temperature: float = 0.0) -> tuple[list[dict], dict[str, float]]:
     """Per-problem records and the summary for one benchmark in one mode: `samples` responses a problem at
-    `temperature` (0: greedy), every other setting from cfg (lanpo.Config: training's, or evaluate.py's
+    `temperature` (0: greedy), every other setting from cfg (config.Config: training's, or evaluate.py's
     flags, which are the same fields), built by training's prompt builders. In `reflect` mode each record
     also holds the second turn (`turn2_*`), and the summary the turn-2 metrics and the flips; turn 1 is
     a zero-shot pass, taken from `first_turn` (zero-shot records of the same rows and seed) when given.

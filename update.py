@@ -1,13 +1,14 @@
 """The policy update: a step's rollouts in micro-batches (the log-probs that stay fixed through the update
 computed once), one forward of the policy on each, the loss terms summed, backward, and --ppo-epochs optimizer
-updates. lanpo.py decides what each rollout trains on (`UpdateBatch`); this module only carries it out.
+updates, and the optimizer with its LR schedule. lanpo.py decides what each rollout trains on (`UpdateBatch`);
+this module only carries it out.
 
-A loss term is a function term(f, mb, cfg, window, stats) -> loss tensor (or 0.0 when off), listed in
-LOSS_TERMS. `f` is the policy's forward on micro-batch `mb`: `f.logits` and `f.logps` carry the graph;
+A loss term is a function term(f, mb, cfg, window, stats) -> loss tensor, listed in LOSS_TERMS with the setting
+that switches it on. `f` is the policy's forward on micro-batch `mb`: `f.logits` and `f.logps` carry the graph;
 `f.entropy` is a statistic without one (call `f.entropy_with_grad()` to train on entropy); `f.old` and the
 `mb` log-probs are constants. `window` holds the whole batch's normalisers (divide by them, so the
 micro-batches add up to the batch's loss); record statistics with `add_stat` (averaged) or `add_loss`
-(summed). cfg is lanpo.Config.
+(summed). cfg is config.Config.
 """
 
 from __future__ import annotations
@@ -270,13 +271,14 @@ def policy_update(model, ref_model, optimizer, scheduler, accelerator, b: Update
     modelled = [b.feedback_texts[i:i + cfg.micro_batch] for i in range(0, len(b.feedback_texts), cfg.micro_batch)]
     timings = {"time_logprob": time.perf_counter() - t0}
     n_passes, stats, skipped = len(micro) + len(modelled), {}, 0
+    terms = active_terms(cfg)
     t0 = time.perf_counter()
     model.train()
     for epoch in range(cfg.ppo_epochs):
         for j, mb in enumerate(micro):
             with distributed.micro_batch(accelerator, model, last=j == n_passes - 1):
                 f = forward(model, mb, cfg)
-                loss = sum(term(f, mb, cfg, b.window, stats) for term in LOSS_TERMS)
+                loss = sum(term(f, mb, cfg, b.window, stats) for term in terms)
                 distributed.backward(accelerator, loss)
         for j, texts in enumerate(modelled):
             with distributed.micro_batch(accelerator, model, last=len(micro) + j == n_passes - 1):
@@ -312,5 +314,41 @@ def reference_logprobs(model, ref_model, ids, attn, cmask, cfg, chunks: int, pro
                                cfg.share_prompt_forward, chunks, prompt_chunks)[0]
 
 
-# The terms summed into each micro-batch's loss: a new term is one function above and one entry here
-LOSS_TERMS = [policy_gradient_loss, self_distill_loss]
+# The terms summed into each micro-batch's loss, each with the Config field that switches it on (None: always
+# on). A term whose field is 0 is never called: it costs nothing and logs nothing. A new term is one function
+# above and one entry here.
+LOSS_TERMS = [(policy_gradient_loss, None), (self_distill_loss, "self_distill_coef")]
+OWN_PASS = ("feedback_model_coef",)  # weights of losses computed in a pass of their own (feedback modelling)
+
+
+def active_terms(cfg) -> list:
+    """The loss terms this run computes: those always on, and those whose field is set."""
+    return [term for term, switch in LOSS_TERMS if switch is None or getattr(cfg, switch)]
+
+
+def check_loss_terms(cfg) -> None:
+    """Every --*-coef a run sets reaches a loss: one set that no LOSS_TERMS entry (nor a pass of its own) reads
+    would train nothing, silently, so the run stops here, before any model loads."""
+    read = {switch for _, switch in LOSS_TERMS} | set(OWN_PASS)
+    unread = [name for name in vars(cfg) if name.endswith("_coef") and getattr(cfg, name) and name not in read]
+    if unread:
+        raise SystemExit(f"{', '.join('--' + n.replace('_', '-') for n in unread)} is set, but no loss term in "
+                         "update.LOSS_TERMS reads it: add the term's entry (README, Adding a loss term)")
+
+
+def make_optimizer(cfg, model):
+    """AdamW and the LR schedule (warmup, then constant/linear/cosine over every optimizer update)."""
+    # fused: one kernel per parameter instead of foreach's list-wide temporaries (a full copy of the weights
+    # each): 6x faster a step on CPU (0.09 against 0.57 s for SmolLM2-135M), the usual choice on GPUs
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay, fused=True)
+    total_updates = cfg.steps * cfg.ppo_epochs
+
+    def lr_factor(update: int) -> float:
+        if update < cfg.warmup_steps:
+            return (update + 1) / cfg.warmup_steps
+        progress = (update - cfg.warmup_steps) / max(1, total_updates - cfg.warmup_steps)
+        return {"constant": 1.0, "linear": 1.0 - progress,
+                "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.lr_schedule]
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)

@@ -17,7 +17,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-import lanpo  # noqa: E402
 import models  # noqa: E402
 import prompts  # noqa: E402
 import reward  # noqa: E402
@@ -47,9 +46,9 @@ def main() -> None:
         outs = generate_completions(model, tokenizer, texts, eos_ids=eos, max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature)
         problems = [r for r in rows for _ in range(args.samples)]
-        rewards, _ = lanpo.grade_all(reward.Rewarder(), outs, problems)
+        rewards = reward.Rewarder().scores(problems, [o.text for o in outs], [o.truncated for o in outs])
         boxed = sum("\\boxed" in o.text for o in outs) / len(outs)
-        results.append({"level": level, "pass_rate": rewards.mean().item(), "boxed_rate": boxed,
+        results.append({"level": level, "pass_rate": sum(rewards) / len(rewards), "boxed_rate": boxed,
                         "samples": len(outs), "seconds": time.perf_counter() - t0,
                         "example": rows[0]["problem"]})
         print(f"level {level}: pass {results[-1]['pass_rate']:.3f}  boxed {boxed:.3f}  "

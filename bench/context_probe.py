@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import abstract  # noqa: E402
+import config  # noqa: E402
 import cpu  # noqa: E402
 import data  # noqa: E402
-import lanpo  # noqa: E402
 import math_grader  # noqa: E402
 import models  # noqa: E402
 import prompts  # noqa: E402
@@ -193,20 +193,20 @@ def context_prompts(tokenizer, rows: list[dict], none: list[str], first: list[st
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    lanpo.add_flags(ap, list(SETTINGS))
+    config.add_flags(ap, list(SETTINGS))
     ap.add_argument("--pool", default="sampled", help="sampled (the model's attempts at the training problems), "
                     "gold (written-out correct solutions), or a pool.jsonl")
     ap.add_argument("--pool-samples", type=int, default=4, help="attempts per training problem for --pool sampled")
     ap.add_argument("--out", default="", help="JSON with every verdict (default runs/bench/context_probe-*.json)")
     ap.add_argument("--judge-only", action="store_true", help="only the relevance judge's report (data with families)")
     args = ap.parse_args(argv)
-    cfg = lanpo.Config(**{name: getattr(args, name) for name in SETTINGS})
-    lanpo.check_config(cfg)
+    cfg = config.Config(**{name: getattr(args, name) for name in SETTINGS})
+    config.check_config(cfg)
     if args.pool not in ("sampled", "gold") and not Path(args.pool).is_file():
         raise SystemExit(f"--pool {args.pool}: not 'sampled', 'gold' or a pool.jsonl file")
     if args.pool_samples < 1:
         raise SystemExit(f"--pool-samples must be >= 1, got {args.pool_samples}")
-    train_rows, eval_rows, _ = lanpo.load_rows(dataclasses.replace(cfg, eval_every=1))
+    train_rows, eval_rows, _ = data.load_rows(dataclasses.replace(cfg, eval_every=1))
     if not eval_rows:
         raise SystemExit(f"--dataset {cfg.dataset} has no held-out problems here: give --eval-dataset")
     family = {r["id"]: family_of(r) for r in train_rows + eval_rows}

@@ -33,8 +33,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import config  # noqa: E402
 import data  # noqa: E402
-import lanpo  # noqa: E402
 import models  # noqa: E402
 import plot  # noqa: E402
 import rundir  # noqa: E402
@@ -58,13 +58,13 @@ ARMS = {  # name -> the flags that make it (on top of the common ones)
 }
 
 
-def heldout_rows(cfg: lanpo.Config) -> list[dict]:
+def heldout_rows(cfg: config.Config) -> list[dict]:
     """The held-out problems a run with this config evaluates on (they depend on its seed)."""
     return data.load_problems(cfg.dataset, cfg.eval_split, size=cfg.eval_size, seed=cfg.seed,
-                              levels=lanpo.parse_levels(cfg.levels), train_size=cfg.synthetic_size)[0]
+                              levels=data.parse_levels(cfg.levels), train_size=cfg.synthetic_size)[0]
 
 
-def verdicts(model_dir: str, rows: list[dict], cfg: lanpo.Config) -> list[float]:
+def verdicts(model_dir: str, rows: list[dict], cfg: config.Config) -> list[float]:
     """Greedy verdict per held-out problem, through the code path training's eval uses."""
     tokenizer = models.load_tokenizer(model_dir)
     model = models.load_policy(model_dir, torch.bfloat16 if cfg.dtype in ("bf16", "bf16-mixed") else torch.float32)
@@ -73,8 +73,8 @@ def verdicts(model_dir: str, rows: list[dict], cfg: lanpo.Config) -> list[float]
 
 
 def changed_flags(recorded: list[str], flags: list[str]) -> list[str]:
-    """The settings (as lanpo.Config fields) on which two flag lists differ, memory-only ones aside."""
-    old, new = lanpo.parse_config(recorded), lanpo.parse_config(flags)
+    """The settings (as config.Config fields) on which two flag lists differ, memory-only ones aside."""
+    old, new = config.parse_config(recorded), config.parse_config(flags)
     return [f.name for f in dataclasses.fields(old)
             if f.name not in rundir.MEMORY_ONLY and getattr(old, f.name) != getattr(new, f.name)]
 
@@ -98,7 +98,7 @@ def cached(path: Path, compute, flags: list[str]) -> dict:
     return result
 
 
-def train_and_evaluate(name: str, seed: int, common: list[str], rows: list[dict], cfg: lanpo.Config,
+def train_and_evaluate(name: str, seed: int, common: list[str], rows: list[dict], cfg: config.Config,
                        run_dir: Path) -> dict:
     if run_dir.exists():
         raise SystemExit(f"{run_dir} holds an unfinished run (no verdicts.json): move it away and rerun")
@@ -129,7 +129,7 @@ def main() -> None:
 
     base, final, curves = {}, {name: {} for name in args.arms}, {name: [] for name in args.arms}
     for seed in args.seeds:
-        cfg = lanpo.parse_config(common + ["--seed", str(seed)])
+        cfg = config.parse_config(common + ["--seed", str(seed)])
         rows = heldout_rows(cfg)
         base[seed] = cached(out / f"base/seed{seed}.json", lambda: {"verdicts": verdicts(cfg.model, rows, cfg)},
                             common + ["--seed", str(seed)])["verdicts"]

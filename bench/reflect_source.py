@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import config  # noqa: E402
 import cpu  # noqa: E402
-import lanpo  # noqa: E402
+import data  # noqa: E402
 import math_grader  # noqa: E402
 import models  # noqa: E402
 import reflect  # noqa: E402
@@ -63,13 +64,13 @@ def main() -> None:
 
     run = Path(args.run)
     saved = json.loads((run / "config.json").read_text())
-    cfg = lanpo.Config(**{f.name: saved[f.name] for f in dataclasses.fields(lanpo.Config) if f.name in saved})
+    cfg = config.Config(**{f.name: saved[f.name] for f in dataclasses.fields(config.Config) if f.name in saved})
     checkpoints = rundir.checkpoint_dirs(run)
     if not checkpoints or not (run / "final").is_dir():
         raise SystemExit(f"{run}: needs a checkpoint (its pool.jsonl) and final/ (a finished run)")
     pool = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems)
     pool.load(checkpoints[-1] / "pool.jsonl")
-    gold = {r["id"]: r["answer"] for r in lanpo.load_rows(cfg)[0]}
+    gold = {r["id"]: r["answer"] for r in data.load_rows(cfg)[0]}
 
     tokenizer = models.load_tokenizer(str(run / "final"))
     model = models.load_policy(str(run / "final"), torch.float32).eval()

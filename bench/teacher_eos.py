@@ -19,14 +19,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import config  # noqa: E402
 import distill  # noqa: E402
 import forwards  # noqa: E402
 import lanpo  # noqa: E402
 import models  # noqa: E402
+import rollout  # noqa: E402
 from pool import ExperiencePool  # noqa: E402
 
 
-def pairs(pool_path: Path, tokenizer, cfg: lanpo.Config) -> list[tuple[str, str, str]]:
+def pairs(pool_path: Path, tokenizer, cfg: config.Config) -> list[tuple[str, str, str]]:
     """(plain prompt, teacher prompt, response) for every from-scratch trial whose problem was tried at an
     earlier step. The saved pool is replayed step by step, and lanpo.build_prompts makes each problem's
     prompts from the trials of earlier steps, as training did (cfg needs --self-distill-coef > 0)."""
@@ -59,22 +61,22 @@ def log_probs(model, prompt_ids: list[int], completion_ids: list[int], temperatu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("pool", type=Path, help="a pool.jsonl from a run's checkpoint")
-    ap.add_argument("--model", default=lanpo.Config.model, help="the model to probe (default: the embedded one)")
+    ap.add_argument("--model", default=config.Config.model, help="the model to probe (default: the embedded one)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench/teacher_eos.json", help="per-response numbers")
     args = ap.parse_args()
-    cfg = lanpo.parse_config(["--self-distill-coef", "1"])  # the default run's settings, with a teacher
+    cfg = config.parse_config(["--self-distill-coef", "1"])  # the default run's settings, with a teacher
     tokenizer = models.load_tokenizer(args.model)
     model = models.load_policy(args.model, torch.float32).eval()
     eos = models.eos_token_ids(model, tokenizer)
     end_of_turn = models.end_of_turn_id(tokenizer, eos)
     rows = []
     for plain, teacher, response in pairs(args.pool, tokenizer, cfg):
-        completion = lanpo.token_ids(tokenizer, response).tolist()
+        completion = rollout.token_ids(tokenizer, response).tolist()
         if len(completion) >= cfg.max_new_tokens:  # truncated: it never chose to stop
             continue
         completion = completion + [end_of_turn]
-        student_lp = log_probs(model, lanpo.token_ids(tokenizer, plain).tolist(), completion, cfg.temperature)
-        teacher_lp = log_probs(model, lanpo.token_ids(tokenizer, teacher).tolist(), completion, cfg.temperature)
+        student_lp = log_probs(model, rollout.token_ids(tokenizer, plain).tolist(), completion, cfg.temperature)
+        teacher_lp = log_probs(model, rollout.token_ids(tokenizer, teacher).tolist(), completion, cfg.temperature)
         kl = distill.divergence(student_lp, teacher_lp, "reverse_kl")
         rows.append({"p_end_student": student_lp[-1, eos].exp().sum().item(),
                      "p_end_teacher": teacher_lp[-1, eos].exp().sum().item(),

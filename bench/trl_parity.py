@@ -46,10 +46,11 @@ def lanpo_args(args, seed: int, out: Path) -> list[str]:
 
 def step_order(args, seed: int) -> list[dict]:
     """The problems lanpo trains on at each step, in order, from lanpo's own functions."""
-    import lanpo
+    import config
+    import data
 
-    cfg = lanpo.parse_config(lanpo_args(args, seed, Path("unused")))
-    return lanpo_order(lanpo.load_rows(cfg)[0], args.steps, args.batch_problems, seed)
+    cfg = config.parse_config(lanpo_args(args, seed, Path("unused")))
+    return lanpo_order(data.load_rows(cfg)[0], args.steps, args.batch_problems, seed)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -32,7 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import config  # noqa: E402
 import lanpo  # noqa: E402
+import rundir  # noqa: E402
 
 # (file, function) on the stack -> phase; the innermost match wins (relevance runs inside lessons_for)
 PHASES = {("lanpo.py", "sample"): "sampling", ("update.py", "policy_update"): "update",
@@ -94,7 +96,7 @@ def counter(model, stop_ids: set[int]):
 
 def main(argv: list[str] | None = None) -> None:
     """lanpo.py's main with the counter on the policy and the counts in each metrics line (then unpatched)."""
-    setup, append_metrics = lanpo.setup, lanpo.rundir.append_metrics
+    setup, append_metrics = lanpo.setup, rundir.append_metrics
 
     def counted_setup(cfg):
         run = setup(cfg)
@@ -106,11 +108,11 @@ def main(argv: list[str] | None = None) -> None:
         append_metrics(path, {**record, **{f"work/{k}": float(v) for k, v in counts.items()}})
         counts.clear()
 
-    lanpo.setup, lanpo.rundir.append_metrics = counted_setup, counted_append_metrics
+    lanpo.setup, rundir.append_metrics = counted_setup, counted_append_metrics
     try:
-        lanpo.main(lanpo.parse_config(argv))
+        lanpo.main(config.parse_config(argv))
     finally:
-        lanpo.setup, lanpo.rundir.append_metrics = setup, append_metrics
+        lanpo.setup, rundir.append_metrics = setup, append_metrics
         counts.clear()
 
 

@@ -102,6 +102,7 @@ def _run(argv: list[str]) -> None:
     from conftest import fake_grade
 
     import abstract
+    import config
     import cpu
     import forwards
     import lanpo
@@ -147,7 +148,7 @@ def _run(argv: list[str]) -> None:
         forwards.length_chunks = lambda lengths, chunks: groups_made.append(chunks) or real_chunks(lengths, chunks)
         forwards.prompt_column_cuts = lambda lengths, width, ranges: (ranges_made.append(ranges)
                                                                       or real_cuts(lengths, width, ranges))
-    pool = lanpo.main(lanpo.parse_config(argv))
+    pool = lanpo.main(config.parse_config(argv))
     rank = PartialState().process_index
     pool.save(out_dir / f"pool-rank{rank}.jsonl")
     (out_dir / f"engine-updates-rank{rank}.json").write_text(json.dumps(updates))

@@ -38,6 +38,7 @@ def fingerprint(model_dir: Path, out_dir: Path, flags: list[str]) -> dict:
     from safetensors.torch import load_file
 
     import abstract
+    import config
     import lanpo
     import math_grader
 
@@ -51,7 +52,7 @@ def fingerprint(model_dir: Path, out_dir: Path, flags: list[str]) -> dict:
     real_grade, math_grader.grade = math_grader.grade, fake_grade
     real_scores, abstract.relevance_scores = abstract.relevance_scores, recorded_relevance_scores
     try:
-        pool = lanpo.main(lanpo.parse_config(["--model", str(model_dir), "--out-dir", str(out_dir), *COMMON, *flags]))
+        pool = lanpo.main(config.parse_config(["--model", str(model_dir), "--out-dir", str(out_dir), *COMMON, *flags]))
     finally:
         math_grader.grade, abstract.relevance_scores = real_grade, real_scores
         from accelerate.state import AcceleratorState

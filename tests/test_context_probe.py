@@ -9,8 +9,8 @@ import re
 import pytest
 from conftest import ROOT
 
+import config
 import data
-import lanpo
 from pool import ExperiencePool, Trial
 
 spec = importlib.util.spec_from_file_location("context_probe", ROOT / "bench" / "context_probe.py")
@@ -71,7 +71,7 @@ def test_the_probe_end_to_end_and_no_context_but_gold_shows_a_held_out_answer(ti
     assert list(summary["contexts"]) == list(probe.CONTEXTS)
     assert all(c["with_context"] == 8 for c in summary["contexts"].values())  # two per family in 16: all have some
     saved = json.loads(out.read_text())
-    held = lanpo.load_rows(lanpo.Config(dataset="synthetic:rules", levels="1-2", synthetic_size=16, eval_size=8))[1]
+    held = data.load_rows(config.Config(dataset="synthetic:rules", levels="1-2", synthetic_size=16, eval_size=8))[1]
     assert saved["ids"] == [r["id"] for r in held]
     assert all(len(v) == 8 for v in (*saved["verdicts"].values(), *saved["responses"].values()))
     assert len(saved["principles"]["principles"]) == 8

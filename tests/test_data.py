@@ -247,22 +247,22 @@ def test_shipped_training_and_held_out_files_share_the_listed_twins():
 
 
 def test_training_drops_or_refuses_problems_that_are_held_out_ones(tmp_path):
-    import lanpo
+    import config
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in [
         {"id": "t1", "problem": "Find $x$ if $2x = 10$.", "answer": "5"},
         {"id": "t2", "problem": "What is 3 + 4?", "answer": "7"},
         {"id": "t3", "problem": "Find $x$ if $3x = 12$.", "answer": "4"}]))
     held.write_text(json.dumps({"id": "e1", "problem": "find x if 2x = 10", "answer": "5"}) + "\n")
-    cfg = lanpo.Config(dataset=str(train), eval_dataset=str(held))
-    rows, _, skipped = lanpo.load_rows(cfg)
+    cfg = config.Config(dataset=str(train), eval_dataset=str(held))
+    rows, _, skipped = data.load_rows(cfg)
     assert [r["id"] for r in rows] == ["t2", "t3"] and skipped["twin_of_held_out"] == 1
     with pytest.raises(SystemExit, match=r"1 training problems are held-out problems .* t1 = e1 \(same text\)"):
-        lanpo.load_rows(lanpo.Config(dataset=str(train), eval_dataset=str(held), eval_overlap="refuse"))
+        data.load_rows(config.Config(dataset=str(train), eval_dataset=str(held), eval_overlap="refuse"))
     with pytest.raises(SystemExit, match="every training problem is a held-out problem"):
-        lanpo.load_rows(lanpo.Config(dataset=str(held), eval_dataset=str(held)))
+        data.load_rows(config.Config(dataset=str(held), eval_dataset=str(held)))
     # the README's MATH recipe: 5 of MATH-500's problems are in math_train in other words
-    _, _, skipped = lanpo.load_rows(lanpo.Config(dataset="math_train", skip_bad_rows=True, eval_dataset="math500",
+    _, _, skipped = data.load_rows(config.Config(dataset="math_train", skip_bad_rows=True, eval_dataset="math500",
                                                  eval_size=0))
     assert skipped == {"duplicate_problem": 2, "twin_of_held_out": 5}
 

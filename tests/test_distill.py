@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_train import documented_metric_keys
 
+import config
 import distill
 import forwards
 import grpo
@@ -194,8 +195,8 @@ def test_policy_loss_token_weights():
 
 def test_feedback_model_texts_mask_the_principles_only(tiny):
     model, tokenizer = tiny
-    cfg = lanpo.parse_config(["--model", "unused", "--feedback-model-coef", "1", "--group-size", "2",
-                              "--micro-batch", "2", "--batch-problems", "2"])
+    cfg = config.parse_config(["--model", "unused", "--feedback-model-coef", "1", "--group-size", "2",
+                               "--micro-batch", "2", "--batch-problems", "2"])
     problems = [{"id": "a", "problem": "What is 2 + 5?", "answer": "7"},
                 {"id": "b", "problem": "Tom has 12 apples", "answer": "12"}]
     attempt = Completion(torch.tensor([1]), torch.tensor([2]), False, "2 + 5 = 7")
@@ -221,23 +222,23 @@ def test_feedback_model_texts_mask_the_principles_only(tiny):
 
 def test_config_errors_name_the_flag():
     with pytest.raises(SystemExit, match="need from-scratch rollouts"):
-        lanpo.parse_config(["--feedback-grad", "distill", "--feedback-ratio", "1"])
+        config.parse_config(["--feedback-grad", "distill", "--feedback-ratio", "1"])
     with pytest.raises(SystemExit, match="models the principles text"):
-        lanpo.parse_config(["--feedback-model-coef", "1", "--feedback", "reflect"])
+        config.parse_config(["--feedback-model-coef", "1", "--feedback", "reflect"])
     with pytest.raises(SystemExit, match="needs a teacher"):
-        lanpo.parse_config(["--self-distill-coef", "1", "--feedback", "none"])
+        config.parse_config(["--self-distill-coef", "1", "--feedback", "none"])
     with pytest.raises(SystemExit, match="--self-distill-topk must be >= 0"):
-        lanpo.parse_config(["--self-distill-topk", "-1"])
+        config.parse_config(["--self-distill-topk", "-1"])
 
 
 # ------------------------------------------------------------------------------------------------ end to end
 
 def _run(tiny_model_dir, out, *extra):
-    cfg = lanpo.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "3",
-                              "--batch-problems", "2", "--group-size", "4", "--micro-batch", "4",
-                              "--max-new-tokens", "8", "--synthetic-size", "2", "--eval-every", "0",
-                              "--relevance-threshold", "0", "--abstract-max-tokens", "8",
-                              "--report-to", "none", "--lr", "1e-2", *extra])
+    cfg = config.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "3",
+                               "--batch-problems", "2", "--group-size", "4", "--micro-batch", "4",
+                               "--max-new-tokens", "8", "--synthetic-size", "2", "--eval-every", "0",
+                               "--relevance-threshold", "0", "--abstract-max-tokens", "8",
+                               "--report-to", "none", "--lr", "1e-2", *extra])
     lanpo.main(cfg)
     return training_metrics(out)
 
@@ -317,7 +318,7 @@ def test_teacher_eos_probe_builds_the_training_teacher_prompt(tiny, tmp_path):
                Trial("p1", problem["problem"], "scratch", "", "3 + 4 = 7. \\boxed{7}", 1.0, 1)]
     pool = ExperiencePool()
     pool.add(earlier)
-    cfg = lanpo.parse_config(["--self-distill-coef", "1"])
+    cfg = config.parse_config(["--self-distill-coef", "1"])
     built = lanpo.build_prompts(tokenizer, [problem], pool, {}, cfg)
     pool.add([Trial("p1", problem["problem"], "scratch", "", "7. \\boxed{7}", 1.0, 2)])
     pool.save(tmp_path / "pool.jsonl")

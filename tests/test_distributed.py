@@ -17,7 +17,7 @@ from accelerate import PartialState
 from conftest import fake_grade
 math_grader.grade = fake_grade  # the tiny random model never answers right: reward length parity
 cpu.native_bf16 = lambda cpuinfo=None: ""  # --dtype auto is fp32 on every machine: runs compared exactly
-pool = lanpo.main(lanpo.parse_config(sys.argv[1:]))
+pool = lanpo.main(config.parse_config(sys.argv[1:]))
 out = sys.argv[sys.argv.index("--out-dir") + 1]
 pool.save(f"{{out}}/pool-rank{{PartialState().process_index}}.jsonl")
 """

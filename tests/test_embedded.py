@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+import config
+import data
 import lanpo
 import math_grader
 import models
@@ -18,10 +20,10 @@ def embedded_dir():
 
 
 def test_embedded_model_trains_one_lanpo_step(embedded_dir, tmp_path):
-    cfg = lanpo.parse_config(["--out-dir", str(tmp_path / "run"), "--steps", "2", "--batch-problems", "2",
-                              "--group-size", "4", "--micro-batch", "4", "--max-new-tokens", "24",
-                              "--synthetic-size", "2", "--eval-size", "4", "--eval-every", "2",
-                              "--relevance-threshold", "0", "--abstract-max-tokens", "24", "--report-to", "none"])
+    cfg = config.parse_config(["--out-dir", str(tmp_path / "run"), "--steps", "2", "--batch-problems", "2",
+                               "--group-size", "4", "--micro-batch", "4", "--max-new-tokens", "24",
+                               "--synthetic-size", "2", "--eval-size", "4", "--eval-every", "2",
+                               "--relevance-threshold", "0", "--abstract-max-tokens", "24", "--report-to", "none"])
     lanpo.main(cfg)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
@@ -31,7 +33,7 @@ def test_embedded_model_trains_one_lanpo_step(embedded_dir, tmp_path):
               (tmp_path / "run" / "checkpoints" / "step-000002" / "pool.jsonl").read_text().splitlines()]
     assert len(trials) == 16 and any(t["kind"] == "abstract" and t["context"] for t in trials)
     # each logged reward is the grader's verdict on the response the pool kept, and the step's mean is theirs
-    gold = {r["id"]: r["answer"] for r in lanpo.load_rows(cfg)[0]}
+    gold = {r["id"]: r["answer"] for r in data.load_rows(cfg)[0]}
     for step, record in enumerate(records, 1):
         rewards = [t["reward"] for t in trials if t["step"] == step]
         assert rewards == [math_grader.grade(t["response"], gold[t["problem_id"]]) for t in trials if t["step"] == step]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import fake_grade
 
+import config
 import evaluate
 import lanpo
 import math_grader
@@ -63,7 +64,7 @@ def test_reflect_mode_runs_two_turns_and_counts_flips(tiny, monkeypatch, tmp_pat
     monkeypatch.setattr(math_grader, "grade", fake_grade)
     model, tokenizer = tiny
     rows = evaluate.load_benchmark(str(_bench(tmp_path)), 0, 0, "test", [1, 2, 3], 48)
-    cfg = lanpo.Config(max_new_tokens=6, attempt_tokens=32)
+    cfg = config.Config(max_new_tokens=6, attempt_tokens=32)
     records, summary = scoring.evaluate_rows(model, tokenizer, rows, "reflect", cfg, [2], samples=3, temperature=1.0)
     pairs = [(b, a) for r in records for b, a in zip(r["verdicts"], r["turn2_verdicts"])]
     assert len(pairs) == 18 and all(len(r["turn2_responses"]) == 3 for r in records)
@@ -222,7 +223,7 @@ def test_evaluation_reflects_with_the_prompt_training_builds(tiny, tiny_model_di
     pool.add([Trial("p", row["problem"], "scratch", "", ATTEMPT, 0.0, 1)])
 
     def training(*f):
-        cfg = lanpo.parse_config(["--feedback", "reflect", "--feedback-ratio", "1", *f])
+        cfg = config.parse_config(["--feedback", "reflect", "--feedback-ratio", "1", *f])
         return lanpo.build_prompts(tokenizer, [row], pool, {}, cfg)[0]
 
     assert training(*flags).kind == "reflect"
@@ -255,7 +256,7 @@ def test_evaluation_abstracts_with_the_prompt_training_builds(tiny, tiny_model_d
     base = ["--relevance-threshold", "0", "--abstract-mode", "raw"]
 
     def training(*f):
-        cfg = lanpo.parse_config(["--feedback", "abstract", "--feedback-ratio", "1", "--abstract-max-tokens", "6", *f])
+        cfg = config.parse_config(["--feedback", "abstract", "--feedback-ratio", "1", "--abstract-max-tokens", "6", *f])
         index = EmbeddingIndex(abstract.hidden_state_embedder(model, tokenizer)) if cfg.retriever == "policy" else None
         pool = ExperiencePool(cfg.pool_per_problem, cfg.pool_max_problems, index)  # as lanpo.setup builds it
         pool.load(tmp_path / "pool.jsonl")
@@ -365,7 +366,7 @@ def test_two_tiny_runs_compared_as_a_table_and_curves(tiny_model_dir, tmp_path, 
     steps, held-out accuracy from step 0 with the gain, rollouts per kind, relevance, time and disk, and the
     LANPO run paired against the GRPO one; the curves start at step 0 and draw only panels with data."""
     for name, feedback in (("grpo", "none"), ("lanpo", "both")):
-        lanpo.main(lanpo.parse_config([
+        lanpo.main(config.parse_config([
             "--model", str(tiny_model_dir), "--out-dir", str(tmp_path / name), "--steps", "3", "--feedback", feedback,
             "--batch-problems", "2", "--group-size", "4", "--max-new-tokens", "4", "--synthetic-size", "2",
             "--eval-every", "3", "--eval-size", "5", "--relevance-threshold", "0", "--abstract-max-tokens", "4",
@@ -410,7 +411,7 @@ def test_each_evaluation_logs_a_samples_table_to_wandb(tiny_model_dir, tmp_path,
         return types.SimpleNamespace(log=lambda record, step: logged.append((step, record)), finish=lambda: None)
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Table=Table))
     monkeypatch.setenv("WANDB_MODE", "offline")
-    lanpo.main(lanpo.parse_config([
+    lanpo.main(config.parse_config([
         "--model", str(tiny_model_dir), "--out-dir", str(tmp_path / "run"), "--steps", "2", "--batch-problems", "2",
         "--group-size", "4", "--max-new-tokens", "4", "--synthetic-size", "2", "--eval-every", "2", "--eval-size",
         "3", "--report-to", "auto", "--no-final-checkpoint"]))
@@ -427,7 +428,7 @@ def test_report_to_tensorboard_logs_every_metric_and_the_samples(tiny_model_dir,
     and each evaluation's samples table as text; wandb stays off."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     out = tmp_path / "run"
-    lanpo.main(lanpo.parse_config([
+    lanpo.main(config.parse_config([
         "--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "2", "--batch-problems", "2",
         "--group-size", "4", "--max-new-tokens", "4", "--synthetic-size", "2", "--eval-every", "2", "--eval-size",
         "3", "--report-to", "tensorboard", "--no-final-checkpoint"]))
@@ -473,7 +474,7 @@ def test_evaluate_rows_samples_each_mode_with_its_prompts_labels_and_settings(ti
     a leaky --reflect-mode asks; a given first turn reused, not resampled; abstract with the lessons of the
     problems that have them; a --reward function beside the grader in both turns)."""
     _, tokenizer = tiny
-    cfg = lanpo.Config(max_new_tokens=7, top_p=0.9, gen_batch=3, attempt_tokens=64)
+    cfg = config.Config(max_new_tokens=7, top_p=0.9, gen_batch=3, attempt_tokens=64)
     plain = [scoring.prompts.render_prompt(tokenizer, scoring.prompts.problem_request(r["problem"]), cfg.one_shot)
              for r in ROWS]
     sampler = FakeSampler(ROWS)

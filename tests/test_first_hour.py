@@ -3,6 +3,7 @@ do, before any model is loaded and with nothing written; nothing silent."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -19,6 +20,7 @@ import torch
 from conftest import ROOT
 from test_reliability import _cmd
 
+import config
 import data
 import evaluate
 import lanpo
@@ -40,7 +42,7 @@ def _refused(args: list[str], match: str, tmp_path) -> str:
     if "--out-dir" not in args:
         args = [*args, "--out-dir", str(out)]
     with pytest.raises(SystemExit) as stop:
-        lanpo.main(lanpo.parse_config(["--report-to", "none", *args]))
+        lanpo.main(config.parse_config(["--report-to", "none", *args]))
     message = str(stop.value.code)
     assert match in message and "\n" not in message, message
     assert not out.exists(), "a refused run wrote its out-dir"
@@ -57,15 +59,15 @@ def _refused(args: list[str], match: str, tmp_path) -> str:
     (["--max-grad-norm", "-1"], "--max-grad-norm"), (["--weight-decay", "-0.1"], "--weight-decay")])
 def test_nonsense_flags_are_refused_naming_the_flag(args, flag, no_model, tmp_path):
     with pytest.raises(SystemExit) as stop:
-        lanpo.parse_config(args)
+        config.parse_config(args)
     assert flag in str(stop.value.code)
 
 
 def test_levels_parse_and_refuse():
-    assert lanpo.parse_levels("1-3") == [1, 2, 3] and lanpo.parse_levels("2,5") == [2, 5]
+    assert data.parse_levels("1-3") == [1, 2, 3] and data.parse_levels("2,5") == [2, 5]
     for bad in ("3-1", "0-2", "1-7", "x", ""):
         with pytest.raises(SystemExit, match="--levels"):
-            lanpo.parse_levels(bad)
+            data.parse_levels(bad)
 
 
 def test_out_dir_problems_are_reported_before_the_model(no_model, tmp_path):
@@ -89,9 +91,9 @@ def _fake_run(tmp_path, **settings):
     """A run directory as lanpo leaves it: config.json and one complete checkpoint."""
     run = tmp_path / "run"
     (run / "checkpoints" / "step-000002").mkdir(parents=True)
-    cfg = lanpo.parse_config(["--out-dir", str(run), *[x for k, v in settings.items()
-                                                         for x in (f"--{k.replace('_', '-')}", str(v))]])
-    (run / "config.json").write_text(json.dumps(lanpo.dataclasses.asdict(cfg)))
+    cfg = config.parse_config(["--out-dir", str(run), *[x for k, v in settings.items()
+                                                        for x in (f"--{k.replace('_', '-')}", str(v))]])
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     return run
 
 
@@ -102,35 +104,35 @@ def test_resume_refuses_changed_training_settings_and_allows_the_rest(no_model, 
     assert "--lr 2e-05 (the run has 1e-05)" in message and "--group-size 8 (the run has 4)" in message
     # more steps, other checkpoint and logging cadence: accepted (it goes on to load the model)
     with pytest.raises(AssertionError, match="a model was loaded"):
-        lanpo.main(lanpo.parse_config(["--out-dir", str(run), "--resume", "--lr", "1e-05", "--steps", "20",
-                                       "--save-every", "5", "--report-to", "none"]))
+        lanpo.main(config.parse_config(["--out-dir", str(run), "--resume", "--lr", "1e-05", "--steps", "20",
+                                        "--save-every", "5", "--report-to", "none"]))
     # what the out-of-memory hints name (smaller micro- and generate batches, checkpointing): accepted too
     with pytest.raises(AssertionError, match="a model was loaded"):
-        lanpo.main(lanpo.parse_config(["--out-dir", str(run), "--resume", "--lr", "1e-05", "--micro-batch", "2",
-                                       "--gen-batch", "8", "--gradient-checkpointing", "--no-share-prompt-forward",
-                                       "--cpu-host-memory", "return"]))
+        lanpo.main(config.parse_config(["--out-dir", str(run), "--resume", "--lr", "1e-05", "--micro-batch", "2",
+                                        "--gen-batch", "8", "--gradient-checkpointing", "--no-share-prompt-forward",
+                                        "--cpu-host-memory", "return"]))
 
 
 def test_resume_dir_alone_takes_the_runs_saved_settings(no_model, tmp_path):
     run = _fake_run(tmp_path, lr="1e-05", group_size=8, feedback="reflect", max_new_tokens=12)
-    config = json.loads((run / "config.json").read_text())
-    (run / "config.json").write_text(json.dumps({**config, "one_shot": False, "report_to": "none"}))
-    cfg = lanpo.parse_config(["--resume", str(run)])
+    saved = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**saved, "one_shot": False, "report_to": "none"}))
+    cfg = config.parse_config(["--resume", str(run)])
     assert (cfg.out_dir, cfg.resume, cfg.lr, cfg.group_size, cfg.feedback, cfg.max_new_tokens, cfg.one_shot) == \
         (str(run), True, 1e-05, 8, "reflect", 12, False)
-    assert lanpo.parse_config(["--out-dir", str(run), "--resume"]) == cfg  # bare --resume: the run in --out-dir
-    assert lanpo.parse_config(["--resume", str(run), "--steps", "30"]).steps == 30  # a longer run
+    assert config.parse_config(["--out-dir", str(run), "--resume"]) == cfg  # bare --resume: the run in --out-dir
+    assert config.parse_config(["--resume", str(run), "--steps", "30"]).steps == 30  # a longer run
 
     def refused(args, match):
         with pytest.raises(SystemExit) as stop:
-            lanpo.main(lanpo.parse_config(args))
+            lanpo.main(config.parse_config(args))
         assert match in str(stop.value.code) and "\n" not in str(stop.value.code), stop.value.code
         return str(stop.value.code)
 
     assert "--group-size 4 (the run has 8)" in refused(["--resume", str(run), "--group-size", "4"],
                                                        "--resume would change the run")
     refused(["--resume", str(run), "--out-dir", str(tmp_path / "elsewhere")], "name two directories")
-    (run / "config.json").write_text(json.dumps({**config, "kl_mode": "k2"}))
+    (run / "config.json").write_text(json.dumps({**saved, "kl_mode": "k2"}))
     refused(["--resume", str(run)], "does not know (kl_mode)")
     assert not (tmp_path / "elsewhere").exists() and sorted(p.name for p in run.iterdir()) == ["checkpoints",
                                                                                                 "config.json"]
@@ -139,18 +141,18 @@ def test_resume_dir_alone_takes_the_runs_saved_settings(no_model, tmp_path):
 def test_earlier_spellings_still_parse_say_so_and_resume(no_model, tmp_path, capsys):
     """--feedback intra/inter and --inter-* became reflect/abstract and --abstract-*: the old spellings give the
     same Config with one line each, and a run saved under the old names resumes as itself."""
-    old = lanpo.parse_config(["--feedback", "intra", "--inter-mode", "raw", "--inter-candidates=2"])
-    new = lanpo.parse_config(["--feedback", "reflect", "--abstract-mode", "raw", "--abstract-candidates", "2"])
-    assert old == new and lanpo.parse_config(["--feedback=inter"]).feedback == "abstract"
+    old = config.parse_config(["--feedback", "intra", "--inter-mode", "raw", "--inter-candidates=2"])
+    new = config.parse_config(["--feedback", "reflect", "--abstract-mode", "raw", "--abstract-candidates", "2"])
+    assert old == new and config.parse_config(["--feedback=inter"]).feedback == "abstract"
     err = capsys.readouterr().err
     assert "--feedback intra is now --feedback reflect (the old value still works)" in err
     assert "--inter-mode is now --abstract-mode" in err and "--inter-candidates is now --abstract-candidates" in err
     run = _fake_run(tmp_path, feedback="abstract", abstract_candidates=2)
-    config = json.loads((run / "config.json").read_text())
-    config.update(feedback="inter", inter_candidates=config.pop("abstract_candidates"),
-                  inter_mode=config.pop("abstract_mode"))
-    (run / "config.json").write_text(json.dumps(config))
-    cfg = lanpo.parse_config(["--resume", str(run)])
+    saved = json.loads((run / "config.json").read_text())
+    saved.update(feedback="inter", inter_candidates=saved.pop("abstract_candidates"),
+                  inter_mode=saved.pop("abstract_mode"))
+    (run / "config.json").write_text(json.dumps(saved))
+    cfg = config.parse_config(["--resume", str(run)])
     assert (cfg.feedback, cfg.abstract_candidates) == ("abstract", 2) and rundir.changed_settings(cfg, run) == ""
 
 
@@ -227,7 +229,7 @@ def test_wandb_auto_never_stops_a_run(monkeypatch, tmp_path, capsys):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     acc = types.SimpleNamespace(is_main_process=True, print=print)
-    cfg = lanpo.parse_config(["--out-dir", str(tmp_path / "run")])  # --report-to auto
+    cfg = config.parse_config(["--out-dir", str(tmp_path / "run")])  # --report-to auto
     modes = _fake_wandb(monkeypatch, fail_when=lambda mode: mode != "offline")
     assert rundir.start_wandb(cfg, acc) is not None and modes == ["offline"]
     assert "wandb: offline (no API key; `wandb sync" in capsys.readouterr().out
@@ -247,11 +249,11 @@ def test_report_to_wandb_problems_come_before_the_model(no_model, monkeypatch, t
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
     with pytest.raises(SystemExit, match="wandb is not installed: pip install wandb"):
-        lanpo.main(lanpo.parse_config(["--out-dir", str(tmp_path / "run"), "--report-to", "wandb"]))
+        lanpo.main(config.parse_config(["--out-dir", str(tmp_path / "run"), "--report-to", "wandb"]))
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "wandb" else real_find_spec(name, *a))
     with pytest.raises(SystemExit, match="wandb has no API key: run `wandb login`"):
-        lanpo.main(lanpo.parse_config(["--out-dir", str(tmp_path / "run"), "--report-to", "wandb"]))
+        lanpo.main(config.parse_config(["--out-dir", str(tmp_path / "run"), "--report-to", "wandb"]))
     assert not (tmp_path / "run").exists()
 
 
@@ -297,10 +299,10 @@ def test_evaluate_refusals_and_intermediate_checkpoints(tiny_model_dir, tmp_path
     with pytest.raises(SystemExit, match="--limit must be >= 0"):
         evaluate.main(["--model", str(tiny_model_dir), *base, "--limit", "-3", "--out-dir", str(tmp_path / "e")])
     run = tmp_path / "run"
-    lanpo.main(lanpo.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(run), "--steps", "2",
-                                   "--save-every", "1", "--batch-problems", "2", "--group-size", "4",
-                                   "--micro-batch", "4", "--max-new-tokens", "8", "--eval-every", "0",
-                                   "--report-to", "none", "--lr", "1e-2"]))
+    lanpo.main(config.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(run), "--steps", "2",
+                                    "--save-every", "1", "--batch-problems", "2", "--group-size", "4",
+                                    "--micro-batch", "4", "--max-new-tokens", "8", "--eval-every", "0",
+                                    "--report-to", "none", "--lr", "1e-2"]))
     step1 = run / "checkpoints" / "step-000001"
     results = evaluate.main(["--model", str(step1), *base, "--limit", "2", "--out-dir", str(tmp_path / "e")])
     assert results["synthetic:arith"]["zero-shot"]["problems"] == 2
@@ -319,9 +321,9 @@ def test_evaluate_refusals_and_intermediate_checkpoints(tiny_model_dir, tmp_path
 def _arm(root, name, *flags):
     """A run directory as the arm `name` of the matrix with these flags would have left it."""
     out = root / name
-    cfg = lanpo.parse_config(["--out-dir", str(out), "--lr", "2e-5", *flags])
+    cfg = config.parse_config(["--out-dir", str(out), "--lr", "2e-5", *flags])
     out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(lanpo.dataclasses.asdict(cfg)))
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     return out
 
 
@@ -431,7 +433,7 @@ def test_run_sh_with_flags_only_is_the_default_run_and_keeps_the_previous_one(tm
 
 def test_a_mistyped_flag_value_is_one_line(capsys):
     import evaluate
-    for parse in (lambda: lanpo.parse_config(["--loss-type", "grpoo"]), lambda: evaluate.main(["--mode", "zero"])):
+    for parse in (lambda: config.parse_config(["--loss-type", "grpoo"]), lambda: evaluate.main(["--mode", "zero"])):
         with pytest.raises(SystemExit) as stop:
             parse()
         err = capsys.readouterr().err

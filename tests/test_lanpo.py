@@ -14,9 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import abstract
+import config
 import lanpo
 import prompts
 import reflect
+import report
 from pool import EmbeddingIndex, ExperiencePool, Trial
 from rollout import Completion
 
@@ -118,14 +120,14 @@ def test_abstract_from_solved_shows_only_solved_candidates(tiny, capsys):
               for i in range(4)])
     problem = [{"id": "cur", "problem": "Tom has 9 apples and gets 9 more."}]
     for source, expected in (("any", {"o0", "o1", "o2", "o3"}), ("solved", {"o1", "o3"})):
-        cfg = lanpo.Config(abstract_candidates=4, relevance_threshold=0.0, abstract_mode="raw", abstract_refresh=1,
-                           attempt_tokens=64, gen_batch=4, abstract_from=source)
+        cfg = config.Config(abstract_candidates=4, relevance_threshold=0.0, abstract_mode="raw", abstract_refresh=1,
+                            attempt_tokens=64, gen_batch=4, abstract_from=source)
         lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg, [2])
         assert {other for _, other in stats.pairs} == expected and stats.kept == len(expected)
         assert lessons["cur"].count("its final answer was correct") == 2
         assert lessons["cur"].count("its final answer was incorrect") == len(expected) - 2
     with pytest.raises(SystemExit):
-        lanpo.parse_config(["--abstract-from", "best"])
+        config.parse_config(["--abstract-from", "best"])
     assert "argument --abstract-from: invalid choice: 'best'" in capsys.readouterr().err
 
 
@@ -204,7 +206,7 @@ def test_pool_caps_similar_order_and_eviction_by_hand():
     pool.add([trial("b", "multiply numbers")])
     assert list(pool.trials) == ["b"] and sum(len(ids) for ids in pool.ids_by_key.values()) == 1
     assert ExperiencePool(max_per_problem=1, max_problems=1).max_problems == 1
-    assert (ExperiencePool().max_per_problem, ExperiencePool().max_problems) == (8, 20000)  # lanpo.Config's too
+    assert (ExperiencePool().max_per_problem, ExperiencePool().max_problems) == (8, 20000)  # config.Config's too
 
 
 def test_pool_saves_readable_utf8_atomically_and_load_replaces_everything(tmp_path, monkeypatch):
@@ -272,8 +274,8 @@ def test_every_training_prompt_is_blind_to_labels(tiny, gold, rewards, steps):
     gold answer (a sentinel no text here contains, so the check always runs). Fails on a builder that passes
     rewards or the gold answer on (the leaky ablations, checked last)."""
     _, tokenizer = tiny
-    cfg = lanpo.parse_config(["--group-size", "6", "--feedback", "both", "--feedback-ratio", "0.67",
-                              "--reflect-attempts", "3", "--reflect-source", "any"])
+    cfg = config.parse_config(["--group-size", "6", "--feedback", "both", "--feedback-ratio", "0.67",
+                               "--reflect-attempts", "3", "--reflect-source", "any"])
     pool = ExperiencePool()
     pool.add([trial("p1", "What is 3 + 4?", f"attempt {i}: 3 + 4 = {6 + i}", r, s) for i, (r, s) in
               enumerate(zip(rewards, sorted(steps)))])
@@ -317,7 +319,7 @@ def test_reflection_prompt_leaks_no_label(problem, attempts, gold, rewards):
 
 def test_build_prompts_identical_whatever_the_earlier_rewards(tiny):
     _, tokenizer = tiny
-    cfg = lanpo.parse_config(["--group-size", "4", "--feedback", "reflect", "--feedback-ratio", "0.5"])
+    cfg = config.parse_config(["--group-size", "4", "--feedback", "reflect", "--feedback-ratio", "0.5"])
     problems = [{"id": "p1", "problem": "What is 3 + 4?", "answer": "7"}]
     built = []
     for reward in (0.0, 1.0):
@@ -392,7 +394,7 @@ def test_forged_turns_are_neutralized(tiny):
 @given(g=st.integers(2, 32), rho=st.floats(0, 1), can_r=st.booleans(), can_a=st.booleans(),
        feedback=st.sampled_from(["none", "reflect", "abstract", "both"]))
 def test_group_mixing_counts_are_exact(g, rho, can_r, can_a, feedback):
-    cfg = lanpo.Config(feedback=feedback)
+    cfg = config.Config(feedback=feedback)
     r_ok, a_ok = can_r and cfg.uses_reflection, can_a and cfg.uses_abstraction
     kinds = lanpo.plan_group(g, rho, r_ok, a_ok)
     assert r_ok == (can_r and feedback in ("reflect", "both")) and a_ok == (can_a and feedback in ("abstract", "both"))
@@ -492,7 +494,7 @@ def test_no_candidate_is_the_query_in_other_words_in_the_no_filter_ablation(tiny
               for r in rows])
     unfiltered = [(r["id"], ts[0].problem_id) for r in rows for _, ts in pool.similar(r["problem"], 3, r["id"])]
     assert sum(key[a] == key[b] for a, b in unfiltered) >= 2  # text alone lets twins through: the test can fail
-    pending = abstract.prepare_lessons(model, tokenizer, pool, rows, {}, 1, lanpo.Config(
+    pending = abstract.prepare_lessons(model, tokenizer, pool, rows, {}, 1, config.Config(
         abstract_candidates=3, relevance_threshold=0.0, abstract_mode="raw", abstract_refresh=1, attempt_tokens=64))
     assert pending.stats.candidates == len(rows) * 3
     twins = [(p["id"], t.problem_id) for (p, _), kept in zip(pending.todo, pending.kept) for t in kept
@@ -517,7 +519,7 @@ def test_principles_requests_counts_and_timings_as_stated(tiny):
                 {"id": "e1", "problem": "Bo has 1 fig."}, {"id": "e2", "problem": "Bo has 2 figs."}]
     cache = {"c1": {"step": 1, "lessons": "x"}, "c2": {"step": 1, "lessons": "y"},
              "e1": {"step": 1, "lessons": ""}, "e2": {"step": 1, "lessons": ""}}
-    cfg = lanpo.Config(abstract_candidates=2, relevance_threshold=0.0, attempt_tokens=8, abstract_max_tokens=6)
+    cfg = config.Config(abstract_candidates=2, relevance_threshold=0.0, attempt_tokens=8, abstract_max_tokens=6)
     t0 = time.perf_counter()
     pending = abstract.prepare_lessons(model, tokenizer, pool, problems, dict(cache), 2, cfg)
     elapsed = time.perf_counter() - t0
@@ -570,8 +572,8 @@ def test_threshold_filters_as_stated(tiny):
     scores = sorted(abstract.relevance_scores(model, tokenizer, pairs))
     gamma = (scores[1] + scores[2]) / 2  # between the 2nd and 3rd score: exactly 2 kept
     def cfg(gamma):
-        return lanpo.Config(abstract_candidates=4, relevance_threshold=gamma, abstract_mode="raw", abstract_refresh=1,
-                            attempt_tokens=64, abstract_max_tokens=8, gen_batch=4, relevance_text="experience")
+        return config.Config(abstract_candidates=4, relevance_threshold=gamma, abstract_mode="raw", abstract_refresh=1,
+                             attempt_tokens=64, abstract_max_tokens=8, gen_batch=4, relevance_text="experience")
 
     lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg(gamma), [2])
     assert stats.candidates == 4 and stats.kept == 2 and lessons["cur"].count("Related problem:") == 2
@@ -597,9 +599,9 @@ def test_relevance_top_keeps_the_best_scored_candidates_in_retrieval_order(tiny)
         scores = abstract.relevance_scores(model, tokenizer, pairs)
         assert len(set(scores)) == 4  # distinct: the ranking is defined
         for gamma, top in ((0.0, 2), (sorted(scores)[1], 1), (sorted(scores)[1], 3)):
-            cfg = lanpo.Config(abstract_candidates=4, relevance_threshold=gamma, relevance_top=top,
-                               relevance_question=question, abstract_mode="raw", abstract_refresh=1,
-                               attempt_tokens=64, gen_batch=4)
+            cfg = config.Config(abstract_candidates=4, relevance_threshold=gamma, relevance_top=top,
+                                relevance_question=question, abstract_mode="raw", abstract_refresh=1,
+                                attempt_tokens=64, gen_batch=4)
             lessons, stats = abstract.lessons_for(model, tokenizer, pool, problem, {}, 1, cfg, [2])
             ranked = sorted((i for i in range(4) if scores[i] >= gamma), key=lambda i: -scores[i])[:top]
             assert stats.scores == pytest.approx(scores, abs=1e-5)
@@ -608,7 +610,7 @@ def test_relevance_top_keeps_the_best_scored_candidates_in_retrieval_order(tiny)
                      if line.startswith("Related problem:")]
             assert shown == [found[i].problem for i in sorted(ranked)]
     with pytest.raises(SystemExit, match="--relevance-top must be >= 0"):
-        lanpo.parse_config(["--relevance-top", "-1"])
+        config.parse_config(["--relevance-top", "-1"])
 
 
 @pytest.mark.parametrize("relevance_text", ["experience", "problem"])
@@ -624,8 +626,8 @@ def test_relevance_text_decides_what_the_judgement_reads(tiny, monkeypatch, rele
                         lambda m, t, pairs, *_, **__: seen.extend(pairs) or [1.0] * len(pairs))
     lessons, stats = abstract.lessons_for(
         model, tokenizer, pool, [{"id": "cur", "problem": "Tom has 9 apples and gets 9 more."}], {}, 1,
-        lanpo.Config(abstract_candidates=3, relevance_threshold=0.5, abstract_mode="raw", abstract_refresh=1,
-                     attempt_tokens=64, abstract_max_tokens=8, gen_batch=4, relevance_text=relevance_text), [2])
+        config.Config(abstract_candidates=3, relevance_threshold=0.5, abstract_mode="raw", abstract_refresh=1,
+                      attempt_tokens=64, abstract_max_tokens=8, gen_batch=4, relevance_text=relevance_text), [2])
     assert len(seen) == 3 and stats.kept == 3
     assert all(f"Tom has {i} apples" in "".join(seen) for i in range(3))
     assert all(("SOLUTION" in pair) == (relevance_text == "experience") for pair in seen)
@@ -638,8 +640,8 @@ def test_principles_are_cached_and_refreshed(tiny):
     pool.add([trial("o", "Tom has 3 apples.", "3 \\boxed{3}", 1.0)])
     problem = [{"id": "cur", "problem": "Tom has 4 apples."}]
     cache = {}
-    cfg = lanpo.Config(abstract_candidates=2, relevance_threshold=0.0, abstract_mode="principles", abstract_refresh=3,
-                       attempt_tokens=64, abstract_max_tokens=6, gen_batch=4, relevance_text="experience")
+    cfg = config.Config(abstract_candidates=2, relevance_threshold=0.0, abstract_mode="principles", abstract_refresh=3,
+                        attempt_tokens=64, abstract_max_tokens=6, gen_batch=4, relevance_text="experience")
     _, s1 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 1, cfg, [2])
     _, s2 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 3, cfg, [2])
     _, s3 = abstract.lessons_for(model, tokenizer, pool, problem, cache, 4, cfg, [2])
@@ -684,11 +686,11 @@ def test_best_trial_is_the_newest_correct_else_the_newest():
 # ------------------------------------------------------------------------------------------------ end to end
 
 def _run(tiny_model_dir, out, *extra):
-    cfg = lanpo.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "3",
-                              "--batch-problems", "2", "--group-size", "4", "--micro-batch", "4",
-                              "--max-new-tokens", "8", "--synthetic-size", "2", "--eval-every", "0",
-                              "--relevance-threshold", "0", "--abstract-max-tokens", "8",
-                              "--report-to", "none", "--lr", "1e-2", *extra])
+    cfg = config.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "3",
+                               "--batch-problems", "2", "--group-size", "4", "--micro-batch", "4",
+                               "--max-new-tokens", "8", "--synthetic-size", "2", "--eval-every", "0",
+                               "--relevance-threshold", "0", "--abstract-max-tokens", "8",
+                               "--report-to", "none", "--lr", "1e-2", *extra])
     lanpo.main(cfg)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -715,18 +717,18 @@ def test_feedback_metrics_against_families_by_hand():
                                       pairs=[("q1", "c1"), ("q1", "c2"), ("q2", "c3"), ("q2", "c4")],
                                       accepted=[True, True, False, False], made=1, cached=2, cached_empty=3)
     family = {"q1": "A", "c1": "A", "c2": "B", "q2": "B", "c3": "B", "c4": "A"}
-    out = lanpo.feedback_metrics(stats, ExperiencePool(), [10, 20], family)
+    out = report.feedback_metrics(stats, ExperiencePool(), [10, 20], family)
     assert out["relevance_family_share"] == 0.5 and out["relevance_precision"] == 0.5
     assert out["relevance_recall"] == 0.5 and out["relevance_accept_rate"] == 0.5
     assert out["relevance_score_p50"] == pytest.approx(0.66) and out["relevance_score_p10"] == pytest.approx(0.33)
     assert out["relevance_score_p90"] == pytest.approx(0.941)
     assert (out["principles_cached"], out["lessons_cached_empty"], out["principles_made"]) == (2, 3, 1)
     # without families, or without scores (gamma 0), those keys are absent: nothing claims an unmeasured value
-    plain = lanpo.feedback_metrics(dataclasses.replace(stats, scores=[]), ExperiencePool(), [10], {})
+    plain = report.feedback_metrics(dataclasses.replace(stats, scores=[]), ExperiencePool(), [10], {})
     assert not {k for k in plain if k.startswith(("relevance_family", "relevance_precision", "relevance_recall",
                                                    "relevance_score_p"))}
     # nothing kept: no precision (0/0); no same-family candidate: no recall
-    none_kept = lanpo.feedback_metrics(dataclasses.replace(stats, accepted=[False] * 4), ExperiencePool(), [1], family)
+    none_kept = report.feedback_metrics(dataclasses.replace(stats, accepted=[False] * 4), ExperiencePool(), [1], family)
     assert "relevance_precision" not in none_kept and none_kept["relevance_recall"] == 0.0
 
 
@@ -747,8 +749,8 @@ def test_the_run_summary_says_when_a_channel_never_fired_or_scored_below_scratch
                _record(2, (6, 0.5), reflect=(2, 0.0), candidates=6, relevance_score_p10=0.35,
                        relevance_score_p50=0.5, relevance_score_p90=0.7),
                _record(3, (4, 1.0), reflect=(4, 0.5))]
-    cfg = lanpo.Config(feedback="both", relevance_threshold=0.9)
-    assert lanpo.feedback_summary(records, cfg) == [
+    cfg = config.Config(feedback="both", relevance_threshold=0.9)
+    assert report.feedback_summary(records, cfg) == [
         "relevance: 0 of 10 candidates accepted at gamma 0.9 (median score 0.47, per-step 10-90 % from 0.30 to "
         "0.70); principles made 0, served from the cache 0",
         # (2*0 + 4*0.5) / 6 against (6*0.5 + 4*1.0) / 10 over steps 2 and 3
@@ -757,25 +759,25 @@ def test_the_run_summary_says_when_a_channel_never_fired_or_scored_below_scratch
         "(bench/context_probe.py says whether this model can use the channel)"]
     # principles made, but a group of 2 has one feedback slot and reflection takes it
     records = [_record(1, (4, 0.5), reflect=(2, 0.5), candidates=2, accept=1.0, principles_made=2)]
-    lines = lanpo.feedback_summary(records, lanpo.Config(feedback="both", group_size=2, relevance_threshold=0))
+    lines = report.feedback_summary(records, config.Config(feedback="both", group_size=2, relevance_threshold=0))
     assert lines[-1] == ("abstract: never fired in 1 steps: a group's 1 feedback rollout goes to reflection first: "
                          "raise --group-size or --feedback-ratio (bench/context_probe.py says whether this model "
                          "can use the channel)")
-    lines = lanpo.feedback_summary(records, lanpo.Config(feedback="abstract", group_size=2, relevance_threshold=0))
+    lines = report.feedback_summary(records, config.Config(feedback="abstract", group_size=2, relevance_threshold=0))
     assert lines[-1].startswith("abstract: never fired in 1 steps: its principles were made too late")
     # reflection off, and abstraction that fired above scratch
     records = [_record(1, (4, 0.25), abstract_=(4, 0.75), candidates=4, accept=1.0)]
-    lines = lanpo.feedback_summary(records, lanpo.Config(feedback="abstract", relevance_threshold=0))
+    lines = report.feedback_summary(records, config.Config(feedback="abstract", relevance_threshold=0))
     assert lines[1:] == ["abstract: 4 rollouts, reward 0.750 against 0.250 from scratch on the 1 steps both ran"]
-    assert lanpo.feedback_summary(records, lanpo.Config(feedback="none")) == []
+    assert report.feedback_summary(records, config.Config(feedback="none")) == []
 
 
 def test_the_progress_bar_shows_each_channel():
     record = _record(1, (4, 0.5), reflect=(2, 0.25), candidates=4, accept=0.5, reward_mean=0.4,
                      response_len_mean=31.6)
-    assert lanpo.progress_fields(record, lanpo.Config(feedback="both")) == {
+    assert report.progress_fields(record, config.Config(feedback="both")) == {
         "reward": "0.400", "len": "32", "reflect": "2@0.25", "abstract": "·", "relevant": "50%"}
-    assert lanpo.progress_fields(record, lanpo.Config(feedback="none")) == {"reward": "0.400", "len": "32"}
+    assert report.progress_fields(record, config.Config(feedback="none")) == {"reward": "0.400", "len": "32"}
 
 
 def test_abstract_ahead_makes_the_next_steps_principles_in_the_sampling_call(tiny_model_dir, tmp_path, monkeypatch,
@@ -854,7 +856,7 @@ def test_final_weights_share_the_last_checkpoints_file_and_a_longer_run_never_wr
 def test_kind_metrics_by_hand():
     """Per-kind count, reward, accuracy, length and truncated share on a hand-made step: each kind's truncation
     differs, so a metric read from another kind's rollouts fails."""
-    out = lanpo.kind_metrics(["scratch", "reflect", "scratch", "abstract", "reflect"],
+    out = report.kind_metrics(["scratch", "reflect", "scratch", "abstract", "reflect"],
                              torch.tensor([1.0, 0.0, 0.0, 0.5, 1.0]), torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0]),
                              torch.tensor([10.0, 30.0, 20.0, 40.0, 50.0]), [False, True, False, True, False])
     assert out == {"scratch/count": 2.0, "scratch/reward": 0.5, "scratch/accuracy": 0.5, "scratch/len": 15.0,
@@ -863,5 +865,5 @@ def test_kind_metrics_by_hand():
                    "reflect/truncated": 0.5,
                    "abstract/count": 1.0, "abstract/reward": 0.5, "abstract/accuracy": 0.0, "abstract/len": 40.0,
                    "abstract/truncated": 1.0}
-    assert lanpo.kind_metrics(["scratch"], torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([3.0]),
+    assert report.kind_metrics(["scratch"], torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([3.0]),
                               [True])["reflect/count"] == 0.0

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import config
 import lanpo
 import math_grader
 
@@ -25,7 +26,7 @@ def digit_share(response: str, gold: str, timeout: float = 5.0, truncated: bool 
 
 def _rewards(tiny_model_dir, tmp_path, *extra) -> list[float]:
     out = tmp_path / "run"
-    lanpo.main(lanpo.parse_config([
+    lanpo.main(config.parse_config([
         "--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", str(STEPS), "--batch-problems", "4",
         "--group-size", "8", "--micro-batch", "32", "--max-new-tokens", "8", "--synthetic-size", "8",
         "--eval-every", "0", "--lr", "1e-2", "--report-to", "none", "--no-final-checkpoint", *extra]))

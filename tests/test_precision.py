@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+import config
 import cpu
 import grpo
-import lanpo
 import update
 
 X86 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
@@ -40,7 +40,7 @@ def test_native_bf16_reads_the_feature_flags():
 ])
 def test_auto_dtype_is_bf16_mixed_only_where_the_hardware_computes_bf16(requested, on_gpu, native, sharded,
                                                                         expected):
-    resolved, why = lanpo.resolve_dtype(requested, on_gpu, native, sharded)
+    resolved, why = config.resolve_dtype(requested, on_gpu, native, sharded)
     assert resolved == expected
     assert bool(why) == (requested == "auto" and not on_gpu)  # auto on CPU always says what it chose
     if why:
@@ -96,7 +96,7 @@ def test_truncated_weights_correct_a_perturbed_sampler():
     theta = torch.randn(6, generator=g).requires_grad_()
     sampler_logits = theta.detach() + 0.5 * torch.randn(6, generator=g)
     advantages = torch.randn(6, generator=g)
-    cfg = dataclasses.replace(lanpo.Config(), dtype="bf16-mixed", sampler_is_cap=100.0)
+    cfg = dataclasses.replace(config.Config(), dtype="bf16-mixed", sampler_is_cap=100.0)
     on_policy = expected_gradient(theta, theta.detach(), advantages, cfg)
     corrected = expected_gradient(theta, sampler_logits, advantages, cfg)
     uncorrected = expected_gradient(theta, sampler_logits, advantages, dataclasses.replace(cfg, sampler_is_cap=0.0))
@@ -110,7 +110,7 @@ def test_weights_are_truncated_at_the_cap_and_exactly_one_without_correction():
     theta = torch.tensor([0.0, 0.0]).requires_grad_()
     sampler_logits = torch.tensor([math.log(9.0), 0.0])  # q = 0.9, 0.1 against p = 0.5, 0.5: ratios 5/9 and 5
     rows = one_token_rows(theta, sampler_logits, torch.ones(2))
-    cfg = dataclasses.replace(lanpo.Config(), dtype="bf16-mixed", sampler_is_cap=2.0)
+    cfg = dataclasses.replace(config.Config(), dtype="bf16-mixed", sampler_is_cap=2.0)
     weights = [update.sampler_weights(f, mb, cfg).item() for f, mb in rows]
     assert weights == pytest.approx([5 / 9, 2.0])
     for dtype in ("fp32", "bf16", "fp16"):

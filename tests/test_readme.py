@@ -111,3 +111,51 @@ def test_every_file_in_docs_is_linked_from_the_readme_or_another_page():
     orphans = [p.name for p in (ROOT / "docs").iterdir()
                if not any(p.name in text for doc, text in pages.items() if doc != p)]
     assert orphans == [], f"docs/ files no page links: {orphans}"
+
+
+# bench scripts that run or time the trainer's own steps (setup and the loop, its problem order, its prompts)
+TRAINER_ENTRY_POINTS = {"bench/work.py", "bench/vs_trl.py", "bench/teacher_eos.py"}
+
+
+def project_imports() -> dict[str, set[str]]:
+    """Each tracked Python file outside tests/ -> the top-level project modules it imports (anywhere in it)."""
+    import ast
+
+    modules = {p.stem for p in ROOT.glob("*.py")}
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    graph = {}
+    for path in tracked:
+        if path.startswith("tests/"):
+            continue
+        names = set()
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        graph[path] = names & modules - {path.removesuffix(".py")}
+    return graph
+
+
+def test_modules_import_downward_and_only_the_trainers_entry_points_import_lanpo():
+    """No import cycle among the top-level modules; settings come from config.py, so evaluate.py, the other
+    modules and the bench scripts that do not run the trainer never import lanpo.py."""
+    graph = project_imports()
+    importers = {path for path, names in graph.items() if "lanpo" in names}
+    assert importers == TRAINER_ENTRY_POINTS, importers ^ TRAINER_ENTRY_POINTS
+    top = {path.removesuffix(".py"): names for path, names in graph.items() if "/" not in path}
+    done, active = set(), []
+
+    def visit(module):
+        assert module not in active, f"import cycle: {' -> '.join(active[active.index(module):] + [module])}"
+        if module in done:
+            return
+        active.append(module)
+        for name in sorted(top.get(module, ())):
+            visit(name)
+        active.pop()
+        done.add(module)
+
+    for module in sorted(top):
+        visit(module)

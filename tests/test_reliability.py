@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_train import _params
 
+import config
 import grpo
 import lanpo
 import math_grader
@@ -33,7 +34,7 @@ if "--slow" in sys.argv:  # leave time after each step's metrics line, so a kill
     sys.argv.remove("--slow")
     write = rundir.append_metrics
     rundir.append_metrics = lambda path, record: (write(path, record), time.sleep(0.3))
-lanpo.main(lanpo.parse_config(sys.argv[1:]))
+lanpo.main(config.parse_config(sys.argv[1:]))
 """
 
 
@@ -76,10 +77,10 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tiny_model_dir
 
 
 def _run(model_dir, out, *extra):
-    cfg = lanpo.parse_config(["--model", str(model_dir), "--out-dir", str(out), "--steps", "3",
-                              "--batch-problems", "2", "--group-size", "4", "--micro-batch", "4",
-                              "--max-new-tokens", "8", "--eval-every", "0", "--report-to", "none",
-                              "--lr", "1e-2", "--feedback", "none", *extra])
+    cfg = config.parse_config(["--model", str(model_dir), "--out-dir", str(out), "--steps", "3",
+                               "--batch-problems", "2", "--group-size", "4", "--micro-batch", "4",
+                               "--max-new-tokens", "8", "--eval-every", "0", "--report-to", "none",
+                               "--lr", "1e-2", "--feedback", "none", *extra])
     lanpo.main(cfg)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -203,7 +204,7 @@ def test_pool_and_prompts_take_any_text(tmp_path, tiny):
     again = ExperiencePool()
     again.load(tmp_path / "pool.jsonl")
     assert again.trials == pool.trials
-    cfg = lanpo.parse_config(["--group-size", "2", "--feedback", "reflect", "--feedback-ratio", "1"])
+    cfg = config.parse_config(["--group-size", "2", "--feedback", "reflect", "--feedback-ratio", "1"])
     problems = [{"id": f"p{i}", "problem": t, "answer": "1"} for i, t in enumerate(texts)]
     built = lanpo.build_prompts(tokenizer, problems, pool, {}, cfg)
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")

@@ -8,6 +8,7 @@ import time
 import pytest
 from test_train import documented_metric_keys
 
+import config
 import evaluate
 import lanpo
 import reward
@@ -86,7 +87,7 @@ def test_a_reward_that_does_not_resolve_is_one_line(spec, says):
 
 def test_training_and_evaluation_use_the_reward_function(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    pool = lanpo.main(lanpo.parse_config([
+    pool = lanpo.main(config.parse_config([
         "--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "2", "--batch-problems", "2",
         "--group-size", "4", "--micro-batch", "4", "--max-new-tokens", "8", "--synthetic-size", "2",
         "--eval-every", "0", "--report-to", "none", "--feedback", "reflect", "--reward", "test_reward:shaped"]))

@@ -337,12 +337,13 @@ def test_compile_decoding_trains_on_the_same_rollouts_and_logs_its_compiles(tiny
     earlier one compile nothing new."""
     import json
 
+    import config
     import lanpo
 
     runs = {}
     for flags in ((), ("--compile-decoding",)):
         out = tmp_path / ("compiled" if flags else "eager")
-        lanpo.main(lanpo.parse_config([
+        lanpo.main(config.parse_config([
             "--model", str(tiny_model_dir), "--out-dir", str(out), "--steps", "4", "--batch-problems", "2",
             "--group-size", "4", "--micro-batch", "4", "--max-new-tokens", "8", "--synthetic-size", "2",
             "--eval-every", "2", "--eval-size", "2", "--relevance-threshold", "0", "--abstract-max-tokens", "8",

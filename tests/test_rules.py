@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+import config
 import data
-import lanpo
 import pool as pool_lib
 import prompts
 
@@ -73,9 +73,9 @@ def test_rules_have_no_twins_and_no_shown_answers(seed):
     shown = re.findall(r"\\boxed\{(\d+)\}", prompts.ONE_SHOT[1]["content"])
     assert shown == [data.ONE_SHOT_ANSWER] and data.ONE_SHOT_ANSWER not in {r["answer"] for r in train + test}
     # and through lanpo's own loader: the held-out rows are the test split of the training rows' seed
-    cfg = lanpo.parse_config(["--dataset", "synthetic:rules", "--levels", "1-2", "--synthetic-size", "48",
-                              "--eval-size", "96", "--seed", str(seed)])
-    assert lanpo.load_rows(cfg)[:2] == (train, test)
+    cfg = config.parse_config(["--dataset", "synthetic:rules", "--levels", "1-2", "--synthetic-size", "48",
+                               "--eval-size", "96", "--seed", str(seed)])
+    assert data.load_rows(cfg)[:2] == (train, test)
 
 
 def test_rules_levels_and_capacity_are_checked():
@@ -133,6 +133,6 @@ def test_rules_menu_lists_every_rules_value_in_an_order_that_says_nothing(seed):
     assert [read_menu(r["problem"])[0] for r in train] == [r["problem"] for r in plain]
     assert [{k: v for k, v in r.items() if k != "problem"} for r in train] == [
         {k: v for k, v in r.items() if k != "problem"} for r in plain]
-    cfg = lanpo.parse_config(["--dataset", "synthetic:rules-menu", "--levels", "1-2", "--synthetic-size", "48",
-                              "--eval-size", "96", "--seed", str(seed)])
-    assert lanpo.load_rows(cfg)[:2] == (train, test)
+    cfg = config.parse_config(["--dataset", "synthetic:rules-menu", "--levels", "1-2", "--synthetic-size", "48",
+                               "--eval-size", "96", "--seed", str(seed)])
+    assert data.load_rows(cfg)[:2] == (train, test)

@@ -14,9 +14,11 @@ import pytest
 import torch
 from conftest import ROOT
 
+import config
 import cpu
 import grpo
 import lanpo
+import rollout
 import rundir
 import update
 
@@ -26,10 +28,10 @@ def documented_metric_keys() -> set[str]:
 
 
 def run(tiny_model_dir, tmp_path, *extra):
-    cfg = lanpo.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(tmp_path / "run"),
-                              "--steps", "2", "--batch-problems", "2", "--group-size", "4", "--micro-batch", "4",
-                              "--max-new-tokens", "8", "--eval-size", "4", "--eval-every", "1",
-                              "--report-to", "none", "--lr", "1e-2", *extra])
+    cfg = config.parse_config(["--model", str(tiny_model_dir), "--out-dir", str(tmp_path / "run"),
+                               "--steps", "2", "--batch-problems", "2", "--group-size", "4", "--micro-batch", "4",
+                               "--max-new-tokens", "8", "--eval-size", "4", "--eval-every", "1",
+                               "--report-to", "none", "--lr", "1e-2", *extra])
     lanpo.main(cfg)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     return cfg, [json.loads(line) for line in lines]
@@ -149,14 +151,14 @@ def test_merged_lora_samples_the_same_completions(tiny_model_dir, tiny):
 
 def test_bad_flags_fail_before_compute(tiny_model_dir, tmp_path):
     with pytest.raises(SystemExit, match="does not divide"):
-        lanpo.parse_config(["--batch-problems", "3", "--group-size", "4", "--micro-batch", "8"])
+        config.parse_config(["--batch-problems", "3", "--group-size", "4", "--micro-batch", "8"])
     with pytest.raises(SystemExit, match="not a known alias"):
-        lanpo.main(lanpo.parse_config(["--model", "no-such-model", "--out-dir", str(tmp_path)]))
+        lanpo.main(config.parse_config(["--model", "no-such-model", "--out-dir", str(tmp_path)]))
     with pytest.raises(SystemExit, match="no column"):
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"question": "1+1", "answer": "2"}\n')
-        lanpo.main(lanpo.parse_config(["--model", str(tiny_model_dir), "--dataset", str(bad),
-                                       "--out-dir", str(tmp_path)]))
+        lanpo.main(config.parse_config(["--model", str(tiny_model_dir), "--dataset", str(bad),
+                                        "--out-dir", str(tmp_path)]))
 
 
 def test_problems_for_step_is_a_seeded_permutation():
@@ -182,8 +184,8 @@ def test_overlong_prompts_stop_the_run_or_are_skipped(tiny_model_dir, tmp_path, 
               "--batch-problems", "2", "--group-size", "2", "--micro-batch", "4", "--max-new-tokens", "4",
               "--report-to", "none", "--eval-every", "0"]
     with pytest.raises(SystemExit, match=r"problem 'p0' makes a \d+-token prompt, over --max-prompt-tokens 300"):
-        lanpo.main(lanpo.parse_config(common + ["--out-dir", str(tmp_path / "a")]))
-    lanpo.main(lanpo.parse_config(common + ["--out-dir", str(tmp_path / "b"), "--skip-bad-rows"]))
+        lanpo.main(config.parse_config(common + ["--out-dir", str(tmp_path / "a")]))
+    lanpo.main(config.parse_config(common + ["--out-dir", str(tmp_path / "b"), "--skip-bad-rows"]))
     out = capsys.readouterr().out
     assert "skipped 1 rows" in out and "'prompt_too_long': 1" in out
 
@@ -304,9 +306,10 @@ def _update_gradient(model, tokenizer, rows: list[tuple[str, str, bool]], advant
     from rollout import Completion
 
     rows = [(prompts.render_prompt(tokenizer, prompts.problem_request(p), one_shot=False), c, t) for p, c, t in rows]
-    cfg = lanpo.parse_config(["--batch-problems", "1", "--group-size", str(len(rows)), "--micro-batch",
-                              str(len(rows)), "--feedback", "none", *flags])
-    completions = [Completion(lanpo.token_ids(tokenizer, p), lanpo.token_ids(tokenizer, c), t, c) for p, c, t in rows]
+    cfg = config.parse_config(["--batch-problems", "1", "--group-size", str(len(rows)), "--micro-batch",
+                               str(len(rows)), "--feedback", "none", *flags])
+    completions = [Completion(rollout.token_ids(tokenizer, p), rollout.token_ids(tokenizer, c), t, c)
+                   for p, c, t in rows]
     prompts = [lanpo.Prompt(p, p, "scratch", "") for p, _, _ in rows]
     r = lanpo.Rollouts([{"id": "x", "problem": "x", "answer": "1"}] * len(rows), prompts, completions,
                        torch.zeros(len(rows)), torch.tensor(advantages))
@@ -338,8 +341,8 @@ def test_mask_truncated_changes_only_the_truncated_rows(tiny, loss_type):
 
 def _logps(model, tokenizer, prompt: str, completion: str) -> torch.Tensor:
     """log pi(completion token | prompt, earlier tokens), one forward written out by hand."""
-    ids = lanpo.token_ids(tokenizer, prompt + completion)
-    n = len(lanpo.token_ids(tokenizer, completion))
+    ids = rollout.token_ids(tokenizer, prompt + completion)
+    n = len(rollout.token_ids(tokenizer, completion))
     with torch.no_grad():
         logits = model(input_ids=ids[None]).logits[0, -n - 1:-1].float()
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[-n:, None]).squeeze(-1)
@@ -358,18 +361,18 @@ def test_feedback_rollouts_trained_on_the_plain_prompt_weigh_each_token_as_state
     completions = [" 2 + 5 = 7<|im_end|>", " 7 = 2 + 5 = 7<|im_end|>"]
     from rollout import Completion
 
-    cfg = lanpo.parse_config(["--batch-problems", "1", "--group-size", "2", "--micro-batch", "2", "--feedback",
-                              "reflect", "--feedback-grad", grad, "--distill-is-cap", str(cap)])
+    cfg = config.parse_config(["--batch-problems", "1", "--group-size", "2", "--micro-batch", "2", "--feedback",
+                               "reflect", "--feedback-grad", grad, "--distill-is-cap", str(cap)])
     r = lanpo.Rollouts([{"id": "x", "problem": "What is 2 + 5?", "answer": "7"}] * 2,
                        [lanpo.Prompt(plain, plain, "scratch", ""), lanpo.Prompt(shown, plain, "reflect", "2 + 5 = 8")],
-                       [Completion(lanpo.token_ids(tokenizer, p), lanpo.token_ids(tokenizer, c), False, c)
+                       [Completion(rollout.token_ids(tokenizer, p), rollout.token_ids(tokenizer, c), False, c)
                         for p, c in zip((plain, shown), completions)], torch.zeros(2), torch.tensor([1.0, -1.0]))
     b = lanpo.update_batch(tokenizer, r, r.problems[:1], {}, cfg, [tokenizer.eos_token_id], world=1)
     (mb,) = update.micro_batches(model, None, b, cfg, tokenizer.pad_token_id, "cpu")
     stats = {}
     update.policy_gradient_loss(update.forward(model, mb, cfg), mb, cfg, b.window, stats)
     by_hand = (_logps(model, tokenizer, plain, completions[1]) - _logps(model, tokenizer, shown, completions[1])).exp()
-    n_scratch = len(lanpo.token_ids(tokenizer, completions[0]))
+    n_scratch = len(rollout.token_ids(tokenizer, completions[0]))
     if grad == "strip":  # the ratio of the scratch rollout's tokens is 1
         want = (n_scratch + by_hand.sum()) / (n_scratch + len(by_hand))
         assert stats["ratio_mean"][0][0] == pytest.approx(want.item(), rel=1e-4)
@@ -393,28 +396,49 @@ def test_a_step_with_every_completion_masked_is_skipped_not_poisoned(tiny_model_
 
 def test_a_loss_term_added_as_the_readme_says_trains_and_logs(tiny_model_dir, tmp_path, graded_by_parity,
                                                                monkeypatch):
-    """The README's recipe, followed literally with an entropy bonus: a function of (f, mb, cfg, window,
-    stats), appended to update.LOSS_TERMS, its loss recorded with add_loss. Through f.entropy_with_grad() it
-    changes the trained weights and its summed value is logged; the same term on f.entropy (a statistic
-    without a graph) would log a value and change nothing, which is why the contract names the difference."""
+    """The README's recipe, followed literally with an entropy bonus: an `entropy_coef` field on Config and a
+    function of (f, mb, cfg, window, stats) in update.LOSS_TERMS under that field, its loss recorded with
+    add_loss. Switched on, through f.entropy_with_grad() it changes the trained weights and its summed value is
+    logged; the same term on f.entropy (a statistic without a graph) would log a value and change nothing, which
+    is why the contract names the difference. Off (0), it is never called and logs nothing; set with no entry in
+    LOSS_TERMS, the run stops in one line before any model loads."""
+    @dataclasses.dataclass
+    class WithEntropy(config.Config):
+        entropy_coef: float = config._f(0.0, "weight of an entropy bonus")
+
+    monkeypatch.setattr(config, "Config", WithEntropy)
+    calls = []
+
     def entropy_bonus(f, mb, cfg, window, stats):
-        loss = -10.0 * f.entropy_with_grad().sum() / window["tokens"]
+        calls.append(cfg.entropy_coef)
+        loss = -cfg.entropy_coef * f.entropy_with_grad().sum() / window["tokens"]
         update.add_loss(stats, "entropy_bonus_loss", loss.item())
         return loss
 
     def entropy_bonus_without_graph(f, mb, cfg, window, stats):
-        return -10.0 * f.entropy.sum() / window["tokens"]
+        return -cfg.entropy_coef * f.entropy.sum() / window["tokens"]
 
     weights = {}
-    for name, terms in [("plain", []), ("bonus", [entropy_bonus]), ("no-graph", [entropy_bonus_without_graph])]:
-        monkeypatch.setattr(update, "LOSS_TERMS", [update.policy_gradient_loss, update.self_distill_loss, *terms])
-        _, records = run(tiny_model_dir, tmp_path / name, "--steps", "1", "--eval-every", "0")
+    for name, term, coef in [("plain", None, "0"), ("off", entropy_bonus, "0"), ("bonus", entropy_bonus, "10"),
+                             ("no-graph", entropy_bonus_without_graph, "10")]:
+        extra = [] if term is None else [(term, "entropy_coef")]
+        monkeypatch.setattr(update, "LOSS_TERMS", [(update.policy_gradient_loss, None),
+                                                   (update.self_distill_loss, "self_distill_coef"), *extra])
+        _, records = run(tiny_model_dir, tmp_path / name, "--steps", "1", "--eval-every", "0", "--entropy-coef", coef)
         weights[name] = _params(tmp_path / name / "run" / "final")
-    assert records and "entropy_bonus_loss" not in records[0]
+        assert ("entropy_bonus_loss" in records[0]) == (name == "bonus")
+        if name == "off":
+            assert calls == []  # off: never called, so it costs nothing
+    assert calls and set(calls) == {10.0}
     first = json.loads((tmp_path / "bonus" / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["entropy_bonus_loss"] == pytest.approx(-10.0 * first["entropy"], rel=1e-3)  # one micro-batch
+    assert all(torch.equal(weights["plain"][k], weights["off"][k]) for k in weights["plain"])
     assert any(not torch.equal(weights["plain"][k], weights["bonus"][k]) for k in weights["plain"])
     assert all(torch.equal(weights["plain"][k], weights["no-graph"][k]) for k in weights["plain"])
+    monkeypatch.setattr(update, "LOSS_TERMS", [(update.policy_gradient_loss, None)])
+    with pytest.raises(SystemExit, match=r"^--entropy-coef is set, but no loss term in update.LOSS_TERMS reads it"):
+        run(tiny_model_dir, tmp_path / "unread", "--entropy-coef", "10")
+    assert not (tmp_path / "unread" / "run").exists()
 
 
 def test_resuming_a_finished_run_says_how_to_extend_it(tiny_model_dir, tmp_path, capsys):
@@ -422,9 +446,9 @@ def test_resuming_a_finished_run_says_how_to_extend_it(tiny_model_dir, tmp_path,
     flags = ["--model", str(tiny_model_dir), "--out-dir", str(run), "--steps", "1", "--batch-problems", "2",
              "--group-size", "2", "--micro-batch", "4", "--max-new-tokens", "3", "--eval-every", "0",
              "--report-to", "none"]
-    lanpo.main(lanpo.parse_config(flags))
+    lanpo.main(config.parse_config(flags))
     capsys.readouterr()
-    lanpo.main(lanpo.parse_config(["--resume", str(run)]))
+    lanpo.main(config.parse_config(["--resume", str(run)]))
     out = capsys.readouterr().out
     assert f"all 1 steps are done; --resume {run} --steps N with N > 1 extends the run" in out
 
@@ -447,8 +471,8 @@ def test_policy_gradient_loss_passes_every_setting_and_weight_to_the_surrogate()
     f = update.Forward(None, logps, entropy, mask, old)
     mb = update.MicroBatch(torch.zeros(rows, 8, dtype=torch.long), torch.ones(rows, 8), mask, advantages, mask,
                            sampling_logps=sampling, off_policy=off, ref_logps=ref)
-    cfg = lanpo.Config(feedback_grad="distill", distill_is_cap=1.5, eps_low=0.1, eps_high=0.28, beta=0.04,
-                       loss_type="dr_grpo", max_new_tokens=width)
+    cfg = config.Config(feedback_grad="distill", distill_is_cap=1.5, eps_low=0.1, eps_high=0.28, beta=0.04,
+                        loss_type="dr_grpo", max_new_tokens=width)
     window = {"seqs": 10, "tokens": 37}
     weights = torch.where(off[:, None], torch.exp(old - sampling).clamp(max=1.5), 1.0)
     for loss_type in ("grpo", "dapo", "dr_grpo"):  # dapo divides by the window's tokens, dr_grpo by its rows
@@ -503,10 +527,10 @@ def test_micro_batches_hold_the_fixed_log_probs_each_setting_asks_for(tiny):
     with torch.no_grad():
         for w in ref_model.parameters():
             w.add_(0.05 * torch.randn_like(w))
-    render = lambda text: lanpo.token_ids(tokenizer, prompts.render_prompt(tokenizer, text, one_shot=False))  # noqa: E731
+    render = lambda text: rollout.token_ids(tokenizer, prompts.render_prompt(tokenizer, text, one_shot=False))  # noqa: E731
     plain_a, plain_b = render("What is 2 + 5?"), render("Tom has 12 apples and eats 3. How many are left?")
     shown, teacher = render("Earlier: 2 + 5 = 8. What is 2 + 5?"), render("Principle: add. What is 2 + 5?")
-    done = [lanpo.token_ids(tokenizer, c) for c in (" 7<|im_end|>", " 9 apples<|im_end|>", " 2 + 5 = 7<|im_end|>")]
+    done = [rollout.token_ids(tokenizer, c) for c in (" 7<|im_end|>", " 9 apples<|im_end|>", " 2 + 5 = 7<|im_end|>")]
     rows = [Completion(plain_a, done[0], False, "", sampler_logps=-torch.rand(len(done[0]))),
             Completion(plain_b, done[1], False, "", sampler_logps=-torch.rand(len(done[1]))),
             Completion(plain_a, done[2], False, "", sampler_logps=-torch.rand(len(done[2])))]
@@ -514,8 +538,8 @@ def test_micro_batches_hold_the_fixed_log_probs_each_setting_asks_for(tiny):
     teachers = [Completion(teacher, done[0], False, ""), None, None]
     b = update.UpdateBatch(rows, torch.tensor([1.0, -0.5, 0.25]), behaviour, teachers, [],
                            {"seqs": 3, "tokens": 9, "feedback_tokens": 0}, torch.tensor([1.0, 0.0, 1.0]))
-    cfg = lanpo.parse_config(["--micro-batch", "2", "--ppo-epochs", "2", "--beta", "0.1", "--temperature", "0.7",
-                              "--batch-problems", "1", "--group-size", "2"])
+    cfg = config.parse_config(["--micro-batch", "2", "--ppo-epochs", "2", "--beta", "0.1", "--temperature", "0.7",
+                               "--batch-problems", "1", "--group-size", "2"])
     assert len(plain_a) < len(plain_b) and len(done[0]) < len(done[2])
     order = [0, 2, 1]  # by prompt (the shorter first, its rows together), then the shorter completion
     mbs = update.micro_batches(model, ref_model, b, cfg, tokenizer.pad_token_id, "cpu")
@@ -568,8 +592,8 @@ def test_self_distill_and_feedback_model_terms_pass_their_settings_and_weights(t
                        teacher_logps=teacher_logps, teacher_ids=teacher_ids)
     mb = update.MicroBatch(torch.zeros(rows, 6, dtype=torch.long), torch.ones(rows, 6), mask, torch.zeros(rows),
                            mask, has_teacher=torch.tensor([True, False, True]))
-    cfg = lanpo.Config(self_distill_coef=0.3, self_distill_div="jsd", feedback_model_coef=0.2, temperature=0.7,
-                       micro_batch=8)
+    cfg = config.Config(self_distill_coef=0.3, self_distill_div="jsd", feedback_model_coef=0.2, temperature=0.7,
+                        micro_batch=8)
     stats = {}
     loss = update.self_distill_loss(f, mb, cfg, {"teacher_tokens": 11}, stats)
     taught = mask * torch.tensor([1.0, 0.0, 1.0])[:, None]
@@ -586,7 +610,7 @@ def test_self_distill_and_feedback_model_terms_pass_their_settings_and_weights(t
     assert update.self_distill_loss(dataclasses.replace(f, teacher_logps=None), mb, cfg, {}, {}) == 0.0
 
     model, tokenizer = tiny
-    ids = lambda text: lanpo.token_ids(tokenizer, text)  # noqa: E731
+    ids = lambda text: rollout.token_ids(tokenizer, text)  # noqa: E731
     texts = [(Completion(ids("Problem: 2 + 5. Attempt: 8."), ids(" Add the two numbers."), False, ""), 1.0),
              (Completion(ids("Problem: 3 * 4."), ids(" Multiply, then check the product."), False, ""), 1.0),
              (Completion(ids("Problem: 2 + 5. Attempt: 8."), ids(" Add the two numbers."), False, ""), 0.0)]
@@ -611,12 +635,12 @@ def test_entropy_with_grad_is_the_logged_entropy_with_its_graph(tiny):
     from rollout import Completion, pack
 
     model, tokenizer = tiny
-    prompt = lanpo.token_ids(tokenizer, prompts.render_prompt(tokenizer, "What is 2 + 5?", one_shot=False))
-    rows = [Completion(prompt, lanpo.token_ids(tokenizer, c), False, "") for c in (" 7<|im_end|>", " 2 + 5 is 7")]
+    prompt = rollout.token_ids(tokenizer, prompts.render_prompt(tokenizer, "What is 2 + 5?", one_shot=False))
+    rows = [Completion(prompt, rollout.token_ids(tokenizer, c), False, "") for c in (" 7<|im_end|>", " 2 + 5 is 7")]
     ids, attn, cmask = pack(rows, tokenizer.pad_token_id, "cpu")
     loss_mask = cmask * torch.tensor([1, 0])[:, None]  # the second row left out of the loss
     mb = update.MicroBatch(ids, attn, cmask, torch.zeros(2), loss_mask)
-    cfg = lanpo.Config(temperature=0.7)
+    cfg = config.Config(temperature=0.7)
     f = update.forward(model, mb, cfg)
     h = f.entropy_with_grad()
     torch.testing.assert_close(h, f.entropy, atol=1e-5, rtol=1e-5)
@@ -643,10 +667,10 @@ def test_reference_log_probs_are_the_base_model_for_lora_and_the_frozen_copy_oth
         for name, w in lora.named_parameters():
             if "lora_B" in name:
                 w.normal_(0, 0.5)
-    prompt = lanpo.token_ids(tokenizer, prompts.render_prompt(tokenizer, "What is 2 + 5?", one_shot=False))
-    ids, attn, cmask = pack([Completion(prompt, lanpo.token_ids(tokenizer, " 2 + 5 = 7"), False, "")],
+    prompt = rollout.token_ids(tokenizer, prompts.render_prompt(tokenizer, "What is 2 + 5?", one_shot=False))
+    ids, attn, cmask = pack([Completion(prompt, rollout.token_ids(tokenizer, " 2 + 5 = 7"), False, "")],
                             tokenizer.pad_token_id, "cpu")
-    cfg = lanpo.Config(temperature=0.7, micro_batch=4)
+    cfg = config.Config(temperature=0.7, micro_batch=4)
     want = forwards.token_logprobs(base, ids, attn, cmask, 4, 0.7)[0]
     got = update.reference_logprobs(lora, None, ids, attn, cmask, cfg, 1, 1)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -669,7 +693,7 @@ def _hand_update(model, b, cfg, pad_id):
     for _ in range(cfg.ppo_epochs):
         total = 0.0
         for mb in micro:
-            loss = sum(term(update.forward(model, mb, cfg), mb, cfg, b.window, {}) for term in update.LOSS_TERMS)
+            loss = sum(term(update.forward(model, mb, cfg), mb, cfg, b.window, {}) for term, _ in update.LOSS_TERMS)
             loss.backward()
             total += loss.item()
         if b.feedback_texts:
@@ -699,15 +723,15 @@ def test_policy_update_steps_once_per_epoch_on_the_whole_batch_and_skips_what_it
              (" 3<|im_end|>", -0.5)]
     rows = [(prompts.render_prompt(tokenizer, prompts.problem_request(p), one_shot=False), c, a)
             for p, (c, a) in zip(["What is 2 + 5?"] * 2 + ["Tom has 12 apples and eats 3."] * 2, texts)]
-    completions = [Completion(lanpo.token_ids(tokenizer, p), lanpo.token_ids(tokenizer, c), False, c)
+    completions = [Completion(rollout.token_ids(tokenizer, p), rollout.token_ids(tokenizer, c), False, c)
                    for p, c, _ in rows]
-    principle = Completion(lanpo.token_ids(tokenizer, "Problem: 2 + 5."), lanpo.token_ids(tokenizer, " Add."),
+    principle = Completion(rollout.token_ids(tokenizer, "Problem: 2 + 5."), rollout.token_ids(tokenizer, " Add."),
                            False, "")
     window = {"seqs": 4.0, "tokens": float(sum(len(c.completion_ids) for c in completions)),
               "teacher_tokens": 0.0, "feedback_tokens": float(len(principle.completion_ids))}
     b = update.UpdateBatch(completions, torch.tensor([a for _, _, a in rows]), None, None, [(principle, 1.0)],
                            window, torch.ones(4))
-    cfg = lanpo.Config(micro_batch=2, ppo_epochs=2, max_grad_norm=0.05, feedback_model_coef=0.1, lr=0.1)
+    cfg = config.Config(micro_batch=2, ppo_epochs=2, max_grad_norm=0.05, feedback_model_coef=0.1, lr=0.1)
     by_hand = copy.deepcopy(model)
     norms, losses = _hand_update(by_hand, b, cfg, tokenizer.pad_token_id)
     assert min(norms) > 0.05  # clipping was active: the check of the clip can fail
