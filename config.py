@@ -15,6 +15,7 @@ from pathlib import Path
 import cpu
 import data
 import models
+import reflect
 import reward
 import rundir
 
@@ -180,7 +181,7 @@ class Config:
                             "the plain prompt against the group's from-scratch baseline with truncated "
                             "importance weights (distill: RLTF-SD)", choices=["context", "strip", "distill"])
     reflect_mode: str = _f("agnostic", "reflection prompt: agnostic (LANPO), or the leaky ablations with-reward / "
-                           "with-gold", choices=["agnostic", "with-reward", "with-gold"], evaluation=True)
+                           "with-gold", choices=reflect.MODES, evaluation=True)
     reflect_attempts: int = _f(1, "earlier attempts shown in a reflection prompt (newest first)", evaluation=True)
     reflect_source: str = _f("scratch", "which earlier attempts a reflection prompt shows: the newest from-scratch "
                              "ones (scratch), or the newest of any kind (any: a group's feedback rollouts are its "

@@ -34,6 +34,7 @@ import config
 import cpu
 import data
 import models
+import reflect
 import reward
 import rundir
 import scoring
@@ -227,9 +228,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"{out_dir} already holds an evaluation: choose another --out-dir (nothing was changed)")
     if args.temperature == 0 and args.samples != 1:
         raise SystemExit("greedy decoding (--temperature 0) gives one distinct sample: use --samples 1")
-    if "reflect" in args.mode and args.reflect_attempts != 1:
-        raise SystemExit(f"--reflect-attempts {args.reflect_attempts}: --mode reflect shows each sample its one first "
-                         "attempt (a from-scratch one, whatever --reflect-source): use --reflect-attempts 1")
+    least = reflect.MODES[args.reflect_mode].least_attempts
+    if "reflect" in args.mode and args.samples < least:
+        raise SystemExit(f"--reflect-mode {args.reflect_mode} shows at least {least} first attempts of a problem: "
+                         f"use --samples {least} or more")
     pool = None
     if "abstract" in args.mode:
         if not args.pool:

@@ -118,17 +118,16 @@ def build_prompts(tokenizer, problems: list[dict], pool: ExperiencePool, lessons
     for problem in problems:
         plain = prompts.render_prompt(tokenizer, prompts.problem_request(problem["problem"]), cfg.one_shot)
         earlier = pool.attempts(problem["id"], cfg.reflect_attempts, None if cfg.reflect_source == "any" else "scratch")
-        can_reflect = bool(earlier) and cfg.uses_reflection
+        can_reflect = cfg.uses_reflection and len(earlier) >= reflect.MODES[cfg.reflect_mode].least_attempts
         can_abstract = problem["id"] in lessons and cfg.uses_abstraction
         kinds = plan_group(cfg.group_size, cfg.feedback_ratio, can_reflect, can_abstract)
         by_kind = {"scratch": (plain, "")}  # each kind's prompt is built once per problem, then shared by its slots
         if "reflect" in kinds or (teach and can_reflect):
-            # labels reach the call only in the leaky ablations: reward-agnostic reflection never sees them
-            labels = ({} if cfg.reflect_mode == "agnostic" else
-                      {"mode": cfg.reflect_mode, "rewards": [t.reward for t in earlier], "gold": problem["answer"]})
+            # the labels are read only by the leaky ablations: reward-agnostic reflection never calls for them
             by_kind["reflect"] = reflect.reflection_prompt(
                 tokenizer, problem["problem"], [t.response for t in earlier], attempt_tokens=cfg.attempt_tokens,
-                one_shot=cfg.one_shot, **labels)
+                one_shot=cfg.one_shot, mode=cfg.reflect_mode,
+                labels=lambda: ([t.reward for t in earlier], problem["answer"]))
         if "abstract" in kinds or (teach and can_abstract):
             context = lessons[problem["id"]]
             request = prompts.abstraction_request(problem["problem"], context, raw=cfg.abstract_mode == "raw")

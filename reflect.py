@@ -1,10 +1,13 @@
 """Reward-agnostic reflection (intra-sample feedback): the model's own earlier attempt(s) at a problem,
 shortened to a token budget, go into a prompt (prompts.reflection_request) that shows them as attempts that
 may or may not be right and asks for a critical check and a fresh solution. Training and evaluate.py both
-build reflection prompts with `reflection_prompt`.
+build reflection prompts with `reflection_prompt`, and every --reflect-mode is one entry of `MODES`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import prompts
 from prompts import encodable
@@ -25,13 +28,35 @@ def shorten(text: str, tokenizer, max_tokens: int) -> str:
             + tokenizer.decode(ids[-tail:], skip_special_tokens=True))
 
 
+@dataclass(frozen=True)
+class Mode:
+    """A --reflect-mode: its request text from (problem, the attempts as shown, their rewards, the gold answer),
+    whether it reads those labels (a leaky ablation), and the fewest earlier attempts it needs."""
+    request: Callable[[str, list[str], list[float], str], str]
+    reads_labels: bool
+    least_attempts: int = 1
+
+
+# every reflection mode, read by training, evaluate.py and the --reflect-mode choices
+MODES = {
+    "agnostic": Mode(lambda problem, shown, rewards, gold: prompts.reflection_request(problem, shown), False),
+    "with-reward": Mode(lambda problem, shown, rewards, gold: prompts.leaky_reflection_request(
+        problem, shown, "with-reward", rewards, gold), True),
+    "with-gold": Mode(lambda problem, shown, rewards, gold: prompts.leaky_reflection_request(
+        problem, shown, "with-gold", rewards, gold), True),
+}
+
+
 def reflection_prompt(tokenizer, problem: str, attempts: list[str], *, attempt_tokens: int, one_shot: bool,
-                      mode: str = "agnostic", rewards: list[float] = (), gold: str = "") -> tuple[str, str]:
-    """(the rendered reflection prompt, the attempts as shown) for earlier attempts, newest first. `mode`
-    other than agnostic is a leaky ablation (--reflect-mode), the only way rewards or the gold answer enter."""
+                      mode: str = "agnostic",
+                      labels: Callable[[], tuple[list[float], str]] | None = None) -> tuple[str, str]:
+    """(the rendered reflection prompt, the attempts as shown) for earlier attempts, newest first. `labels`
+    gives (the attempts' rewards, the gold answer) and is called only by a mode that reads them (the leaky
+    ablations of --reflect-mode): reward-agnostic reflection never calls it."""
+    spec = MODES[mode]
+    if len(attempts) < spec.least_attempts:
+        raise ValueError(f"--reflect-mode {mode} needs {spec.least_attempts} earlier attempts, got {len(attempts)}")
     shown = [shorten(a, tokenizer, attempt_tokens) for a in attempts]
-    if mode == "agnostic":
-        request = prompts.reflection_request(problem, shown)
-    else:
-        request = prompts.leaky_reflection_request(problem, shown, mode, list(rewards), gold)
+    rewards, gold = labels() if spec.reads_labels else ([], "")
+    request = spec.request(problem, shown, list(rewards), gold)
     return prompts.render_prompt(tokenizer, request, one_shot), "\n\n".join(shown)

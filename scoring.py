@@ -113,6 +113,17 @@ def add_rewards(records: list[dict], rows: list[dict], rewarder, prefix: str = "
         r[prefix + "rewards"] = [next(scores) for _ in r[prefix + "responses"]]
 
 
+def turn2_prompt(tokenizer, record: dict, j: int, cfg) -> str:
+    """Sample j's reflection prompt: its own first attempt, then the problem's other first attempts up to
+    --reflect-attempts (the newest-first order training shows), built as training builds it; the labels are
+    read only by the leaky ablations."""
+    order = [j] + [i for i in range(len(record["responses"])) if i != j]
+    shown = order[:cfg.reflect_attempts]
+    return reflect.reflection_prompt(tokenizer, record["problem"], [record["responses"][i] for i in shown],
+                                     attempt_tokens=cfg.attempt_tokens, one_shot=cfg.one_shot, mode=cfg.reflect_mode,
+                                     labels=lambda: ([record["verdicts"][i] for i in shown], record["gold"]))[0]
+
+
 def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, cfg, eos_ids: list[int],
                   pool: ExperiencePool | None = None, first_turn: list[dict] | None = None, rewarder=None,
                   progress: str = "", samples: int = 1,
@@ -152,11 +163,7 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, cfg, eos_ids: l
         summary["with_lessons"] = float(len(lessons)) / len(rows)
 
     if mode == "reflect":  # turn 2: each sample reviews its own first attempt (never told if it was right)
-        # labels reach the builder only in the leaky ablations, as in training (lanpo.build_prompts)
-        second = [reflect.reflection_prompt(tokenizer, r["problem"], [resp], attempt_tokens=cfg.attempt_tokens,
-                                            one_shot=cfg.one_shot, **({} if cfg.reflect_mode == "agnostic" else {
-                                                "mode": cfg.reflect_mode, "rewards": [verdict], "gold": r["gold"]}))[0]
-                  for r in records for resp, verdict in zip(r["responses"], r["verdicts"])]
+        second = [turn2_prompt(tokenizer, r, j, cfg) for r in records for j in range(len(r["responses"]))]
         outs2 = _sample(model, tokenizer, second, cfg, temperature, eos_ids, progress and f"{progress}, turn 2")
         turn2 = [_record(row, "", outs2[i * k:(i + 1) * k]) for i, row in enumerate(rows)]
         if rewarder is not None:

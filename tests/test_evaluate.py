@@ -232,6 +232,78 @@ def test_evaluation_reflects_with_the_prompt_training_builds(tiny, tiny_model_di
     assert (training(*flags).text != training().text) == (flags not in ([], ["--reflect-source", "any"]))
 
 
+@pytest.mark.parametrize("mode", ["agnostic", "with-reward", "with-gold"])
+def test_evaluation_shows_as_many_attempts_as_training(tiny, monkeypatch, mode):
+    """--reflect-attempts 2 with 3 samples: each sample's turn-2 prompt shows its own first attempt, then
+    the problem's next one, exactly as training shows a pool holding those two trials (newest first) under
+    every --reflect-mode; with --reflect-attempts 1 (the default) it shows its own attempt alone."""
+    import torch
+
+    from rollout import Completion
+
+    model, tokenizer = tiny
+    row = {"id": "p", "problem": "What is 2 + 5?", "answer": "7"}
+    attempts = ["2 + 5 = 7, so \\boxed{7}.", "2 + 5 = 8: \\boxed{8}.", "It is \\boxed{9}."]
+    turns = iter([[Completion(torch.tensor([1]), torch.tensor([2]), False, a) for a in attempts], None])
+
+    def sampled(model, tokenizer, texts, cfg, temperature, eos_ids, progress=""):
+        first = next(turns)
+        return first or [Completion(torch.tensor([1]), torch.tensor([2]), False, "x") for _ in texts]
+
+    monkeypatch.setattr(scoring, "_sample", sampled)
+    monkeypatch.setattr(math_grader, "grade", lambda text, gold, **kw: float(f"{{{gold}}}" in text))
+    flags = ["--feedback", "reflect", "--feedback-ratio", "1", "--reflect-attempts", "2", "--reflect-mode", mode]
+    cfg = config.parse_config(flags)
+    records, _ = scoring.evaluate_rows(model, tokenizer, [row], "reflect", cfg, [2], samples=3, temperature=1.0)
+    for j, following in ((0, 1), (1, 0), (2, 0)):
+        pool = ExperiencePool()
+        pool.add([Trial("p", row["problem"], "scratch", "", attempts[following], float(following == 0), 1),
+                  Trial("p", row["problem"], "scratch", "", attempts[j], float(j == 0), 2)])
+        assert records[0]["turn2_prompts"][j] == lanpo.build_prompts(tokenizer, [row], pool, {}, cfg)[0].text
+        assert attempts[j][:10] in records[0]["turn2_prompts"][j]
+        assert attempts[following][:10] in records[0]["turn2_prompts"][j]
+    turns = iter([[Completion(torch.tensor([1]), torch.tensor([2]), False, a) for a in attempts], None])
+    default = config.parse_config(flags[:4] + flags[6:])  # --reflect-attempts 1
+    one = scoring.evaluate_rows(model, tokenizer, [row], "reflect", default, [2], samples=3,
+                                temperature=1.0)[0][0]["turn2_prompts"]
+    assert [sum(a[:10] in prompt for a in attempts) for prompt in one] == [1, 1, 1]
+
+
+def test_a_reflection_mode_added_as_the_readme_says(tiny, tmp_path, monkeypatch):
+    """The README's recipe: one entry in reflect.MODES (a request that needs two attempts) is a --reflect-mode
+    choice, reaches training's prompts once a problem has two earlier attempts (scratch before), reaches
+    evaluate.py's turn 2 as training builds it, and evaluate.py refuses fewer samples than it needs."""
+    import torch
+
+    import prompts
+    import reflect
+    from rollout import Completion
+
+    line = "\nSay where the attempts differ before you solve it."
+    monkeypatch.setitem(reflect.MODES, "compare", reflect.Mode(
+        lambda problem, shown, rewards, gold: prompts.reflection_request(problem, shown) + line, reads_labels=False,
+        least_attempts=2))
+    model, tokenizer = tiny
+    cfg = config.parse_config(["--feedback", "reflect", "--feedback-ratio", "1", "--reflect-mode", "compare",
+                               "--reflect-attempts", "2"])
+    row = {"id": "p", "problem": "What is 2 + 5?", "answer": "7"}
+    attempts = ["2 + 5 = 7, so \\boxed{7}.", "2 + 5 = 8: \\boxed{8}."]
+    pool = ExperiencePool()
+    pool.add([Trial("p", row["problem"], "scratch", "", attempts[1], 0.0, 1)])
+    assert {p.kind for p in lanpo.build_prompts(tokenizer, [row], pool, {}, cfg)} == {"scratch"}  # one attempt
+    pool.add([Trial("p", row["problem"], "scratch", "", attempts[0], 1.0, 2)])
+    built = lanpo.build_prompts(tokenizer, [row], pool, {}, cfg)
+    assert {p.kind for p in built} == {"reflect"} and line.strip() in built[0].text
+    turns = iter([[Completion(torch.tensor([1]), torch.tensor([2]), False, a) for a in attempts], None])
+    monkeypatch.setattr(scoring, "_sample", lambda model, tokenizer, texts, *a, **k: next(turns) or [
+        Completion(torch.tensor([1]), torch.tensor([2]), False, "x") for _ in texts])
+    records, _ = scoring.evaluate_rows(model, tokenizer, [row], "reflect", cfg, [2], samples=2, temperature=1.0)
+    assert records[0]["turn2_prompts"][0] == built[0].text
+    with pytest.raises(SystemExit, match="--reflect-mode compare shows at least 2 first attempts"):
+        evaluate.main(["--model", "no/such-model", "--benchmarks", str(_bench(tmp_path)), "--mode", "reflect",
+                       "--reflect-mode", "compare", "--temperature", "1"])
+
+
 # on top of raw trajectories at gamma 0 (the lessons are then text the flags shape, not a tiny model's output)
 ABSTRACTION_FLAGS = [[], ["--abstract-mode", "principles"], ["--abstract-candidates", "1"], ["--attempt-tokens", "6"],
                      ["--no-one-shot"], ["--relevance-threshold", "0.5308"],
@@ -297,9 +369,6 @@ def test_evaluation_reads_data_with_training_flags(tmp_path, monkeypatch):
 
 def test_evaluation_refuses_what_it_cannot_honour(tmp_path):
     bench = _bench(tmp_path)
-    with pytest.raises(SystemExit, match="--reflect-attempts 2: --mode reflect shows each sample its one first"):
-        evaluate.main(["--model", "no/such-model", "--benchmarks", str(bench), "--mode", "reflect",
-                       "--reflect-attempts", "2"])
     with pytest.raises(SystemExit, match="--pool missing.jsonl: file not found"):
         evaluate.main(["--model", "no/such-model", "--benchmarks", str(bench), "--mode", "abstract",
                        "--pool", "missing.jsonl"])
@@ -511,9 +580,9 @@ def test_evaluate_rows_samples_each_mode_with_its_prompts_labels_and_settings(ti
             assert r["turn2_rewards"] == [float(len(t)) for t in r["turn2_responses"]]
             assert r["turn2_lengths"] == [4, 5, 6] and r["turn2_truncated"] == [False, False, True]
             for j, prompt in enumerate(r["turn2_prompts"]):  # each sample reviews its own attempt alone
-                labels = {} if leak == "agnostic" else {"mode": leak, "rewards": [r["verdicts"][j]], "gold": r["gold"]}
-                assert prompt == scoring.reflect.reflection_prompt(tokenizer, r["problem"], [r["responses"][j]],
-                                                                   attempt_tokens=64, one_shot=True, **labels)[0]
+                assert prompt == scoring.reflect.reflection_prompt(
+                    tokenizer, r["problem"], [r["responses"][j]], attempt_tokens=64, one_shot=True, mode=leak,
+                    labels=lambda: ([r["verdicts"][j]], r["gold"]))[0]
                 assert [f"attempt {r['id']}-{n} of turn 1" in prompt for n in range(3)] == [n == j for n in range(3)]
                 assert (f"The correct final answer is {r['gold']}." in prompt) == (leak == "with-gold")
                 assert ("This attempt was" in prompt) == (leak == "with-reward")

@@ -371,13 +371,23 @@ def test_reflection_prompt_shows_the_problem_and_the_attempts_newest_first(tiny)
     worked = reflect.reflection_prompt(tokenizer, problem, attempts, attempt_tokens=64, one_shot=True)[0]
     assert worked == prompts.render_prompt(tokenizer, prompts.reflection_request(problem, attempts), True) != text
     rewarded = reflect.reflection_prompt(tokenizer, problem, attempts, attempt_tokens=64, one_shot=False,
-                                         mode="with-reward", rewards=[1.0, 0.0])[0]
+                                         mode="with-reward", labels=lambda: ([1.0, 0.0], "42"))[0]
     assert f"Problem: {problem}" in rewarded
     assert "12 + 30 = 42\n(This attempt was correct.)" in rewarded
     assert "12 + 30 = 41\n(This attempt was incorrect.)" in rewarded
     gold = reflect.reflection_prompt(tokenizer, problem, attempts, attempt_tokens=64, one_shot=False,
-                                     mode="with-gold", gold="42")[0]
+                                     mode="with-gold", labels=lambda: ([1.0, 0.0], "42"))[0]
     assert f"Problem: {problem}" in gold and "The correct final answer is 42." in gold
+
+    def never():
+        raise AssertionError("reward-agnostic reflection asked for the labels")
+
+    assert reflect.reflection_prompt(tokenizer, problem, attempts, attempt_tokens=64, one_shot=False,
+                                     labels=never)[0] == text
+    assert set(reflect.MODES) == {"agnostic", "with-reward", "with-gold"} and [
+        m for m, spec in reflect.MODES.items() if not spec.reads_labels] == ["agnostic"]
+    with pytest.raises(ValueError, match="needs 1 earlier attempts, got 0"):
+        reflect.reflection_prompt(tokenizer, problem, [], attempt_tokens=64, one_shot=False)
 
 
 def test_forged_turns_are_neutralized(tiny):
