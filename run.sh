@@ -111,28 +111,7 @@ case "$recipe" in
     set -- ${args[@]+"${args[@]}"}
     launch=${LAUNCH:-python}
     if [ -n "${LAUNCH:-}" ]; then need_gpus "a GPU"; else setup_cpu; fi
-    matrix=$(cat <<'MATRIX'
-grpo            --feedback none
-lanpo           --feedback both
-reflect-only    --feedback reflect
-abstract-only   --feedback abstract
-leak-reward     --feedback reflect --reflect-mode with-reward
-leak-gold       --feedback reflect --reflect-mode with-gold
-reflect-any     --feedback both --reflect-source any
-abstract-raw    --feedback abstract --abstract-mode raw
-no-relevance    --feedback both --relevance-threshold 0
-relevance-problem --feedback both --relevance-text problem
-abstract-ahead  --feedback both --abstract-ahead
-ratio-0.25      --feedback both --feedback-ratio 0.25
-ratio-0.75      --feedback both --feedback-ratio 0.75
-strip-grad      --feedback both --feedback-grad strip
-distill         --feedback both --feedback-grad distill
-self-distill    --feedback both --self-distill-coef 1
-feedback-model  --feedback both --relevance-threshold 0.5 --feedback-model-coef 0.1
-sd-only         --feedback both --feedback-ratio 0 --self-distill-coef 1
-mask-truncated  --feedback both --mask-truncated
-MATRIX
-)
+    matrix=$(grep -v '^#' configs/ablations.tsv | cut -f1,2 | tr '\t' ' ')  # name, then its flags
     if [ -n "$arms" ]; then
       unknown=$(tr ',' '\n' <<< "$arms" | while read -r arm; do grep -q "^$arm " <<< "$matrix" || echo "$arm"; done)
       [ -z "$unknown" ] || { echo "--arms: no arm named $(paste -sd' ' <<< "$unknown") (the arms: $(cut -d' ' -f1 <<< "$matrix" | paste -sd' '))" >&2; exit 2; }

@@ -159,3 +159,18 @@ def test_modules_import_downward_and_only_the_trainers_entry_points_import_lanpo
 
     for module in sorted(top):
         visit(module)
+
+
+def test_the_readmes_ablation_table_is_the_matrix_run_sh_runs():
+    """configs/ablations.tsv is the one ablation matrix: run.sh reads it, and the README's table lists its arms,
+    flags and descriptions in its order."""
+    arms = [line.split("\t") for line in (ROOT / "configs" / "ablations.tsv").read_text().splitlines()
+            if not line.startswith("#")]
+    assert all(len(arm) == 3 and all(arm) for arm in arms), arms
+    section = (ROOT / "README.md").read_text().split("\n## Ablations\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\S+) \| `([^`]*)` \| (.*) \|$", section, flags=re.M)
+    assert [list(row) for row in rows] == arms
+    listed = subprocess.run(["bash", str(ROOT / "run.sh"), "ablate", "--dry-run"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.splitlines()[1:]
+    assert [line.split()[0] for line in listed] == [name for name, _, _ in arms]
+    assert all(line.split(": ", 1)[1].endswith(f"--lr 2e-5 {flags} ") for line, (_, flags, _) in zip(listed, arms))
