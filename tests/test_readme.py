@@ -113,6 +113,16 @@ def test_every_file_in_docs_is_linked_from_the_readme_or_another_page():
     assert orphans == [], f"docs/ files no page links: {orphans}"
 
 
+def test_every_relative_link_resolves():
+    """Each [text](path) of the README, docs/ and data/README.md names a file or folder of the repository."""
+    broken = []
+    for doc in [*DOCUMENTS, ROOT / "data" / "README.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if not re.match(r"[a-z]+:|#", target) and not (doc.parent / target.split("#")[0]).exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert broken == []
+
+
 # bench scripts that run or time the trainer's own steps (setup and the loop, its problem order, its prompts)
 TRAINER_ENTRY_POINTS = {"bench/work.py", "bench/vs_trl.py", "bench/teacher_eos.py"}
 
