@@ -54,6 +54,16 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
+SUITE_SIZE = {}  # "all": how many tests the default suite holds, when this session collected all of it
+
+
+def pytest_collection_finish(session):
+    """Count the suite when the session is the whole of it (no paths, -k or -m): the docs' test count is held to it."""
+    cfg = session.config
+    if cfg.args_source == pytest.Config.ArgsSource.TESTPATHS and not cfg.option.keyword and not cfg.option.markexpr:
+        SUITE_SIZE["all"] = len(session.items)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

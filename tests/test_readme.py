@@ -184,3 +184,14 @@ def test_the_readmes_ablation_table_is_the_matrix_run_sh_runs():
                             text=True, check=True).stdout.splitlines()[1:]
     assert [line.split()[0] for line in listed] == [name for name, _, _ in arms]
     assert all(line.split(": ", 1)[1].endswith(f"--lr 2e-5 {flags} ") for line, (_, flags, _) in zip(listed, arms))
+
+
+def test_the_docs_state_the_suites_test_count():
+    """README and docs/tests.md say how many tests there are; the number is this suite's, not a kept note."""
+    from conftest import SUITE_SIZE
+
+    if "all" not in SUITE_SIZE:
+        pytest.skip("counted only when the whole suite runs (./run.sh test)")
+    n = SUITE_SIZE["all"]
+    assert f"what the {n} tests cover" in (ROOT / "README.md").read_text()
+    assert f"({n} tests;" in (ROOT / "docs" / "tests.md").read_text()

@@ -239,6 +239,11 @@ def test_no_final_checkpoint_keeps_only_the_weights(tiny_model_dir, tmp_path, gr
     assert not (tmp_path / "run" / "checkpoints").exists()
     run(tiny_model_dir, tmp_path / "with", "--eval-every", "0")  # the default keeps a resumable last step
     assert [p.name for p in (tmp_path / "with" / "run" / "checkpoints").iterdir()] == ["step-000002"]
+    # the README's figure: the optimizer state is 8 bytes per trained parameter (AdamW's two fp32 moments)
+    trained = sum(v.numel() for v in _params(tmp_path / "with" / "run" / "final").values())
+    state = (tmp_path / "with" / "run" / "checkpoints" / "step-000002" / "optimizer.bin").stat().st_size
+    assert 8 * trained <= state <= 8 * trained + 64 * 1024, (state, trained)
+    assert "8 bytes per trained parameter beside the weights" in (ROOT / "README.md").read_text()
 
 
 FREE_AND_REALLOCATE = r"""
