@@ -3,9 +3,12 @@ theirs) reach training's advantages and pool and evaluation's records; failing, 
 score 0, are counted and named, and a function that always fails stops the run."""
 
 import json
+import re
+import sys
 import time
 
 import pytest
+from conftest import ROOT
 from test_train import documented_metric_keys
 
 import config
@@ -136,3 +139,21 @@ def test_accuracy_is_the_graders_verdict_whatever_the_reward():
     assert verdicts.tolist() == [1.0, 0.0, 0.0]  # the third is cut at the limit: no answer
     math = reward.Rewarder()
     assert [v.tolist() for v in lanpo.grade_all(math, completions, rows)] == [[1.0, 0.0, 0.0]] * 2
+
+
+def test_the_readmes_reward_recipe_runs_as_written(tmp_path, monkeypatch):
+    """The README's my_reward.py, saved as it is in the directory a run starts from: `--reward
+    my_reward:correct_and_short` imports it there and scores the grader's verdict less 0.001 a word."""
+    section = (ROOT / "README.md").read_text().split("\n## Your own reward\n", 1)[1].split("\n## ", 1)[0]
+    source = re.search(r"```python\n(# my_reward\.py.*?)```", section, flags=re.S).group(1)
+    (tmp_path / "my_reward.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    rewarder = reward.Rewarder("my_reward:correct_and_short")
+    try:
+        got = rewarder.scores([{"id": "a", "problem": "What is 3 + 4?", "answer": "7"}] * 2,
+                              ["so the answer is \\boxed{7}", "it is \\boxed{8}"])
+    finally:
+        rewarder.close()
+        sys.modules.pop("my_reward", None)
+    assert got == pytest.approx([1 - 0.001 * 5, -0.001 * 3])
