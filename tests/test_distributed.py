@@ -12,7 +12,7 @@ RUNNER = """
 import sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-import cpu, math_grader, lanpo
+import config, cpu, math_grader, lanpo
 from accelerate import PartialState
 from conftest import fake_grade
 math_grader.grade = fake_grade  # the tiny random model never answers right: reward length parity

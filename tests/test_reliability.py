@@ -26,7 +26,7 @@ RUNNER = """
 import sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-import math_grader, lanpo, rundir
+import config, math_grader, lanpo, rundir
 from conftest import fake_grade
 math_grader.grade = fake_grade  # the tiny random model never answers right: reward length parity
 if "--slow" in sys.argv:  # leave time after each step's metrics line, so a kill lands inside the run
