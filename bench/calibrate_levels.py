@@ -7,7 +7,6 @@ training code path (same prompts, sampling and grader). Prints a table and write
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
 import data  # noqa: E402
 import models  # noqa: E402
 import prompts  # noqa: E402
@@ -24,13 +25,11 @@ from rollout import generate_completions  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=models.EMBEDDED)
+    ap = common.parser(__doc__, "runs/bench/calibrate_levels.json")
     ap.add_argument("--problems", type=int, default=32, help="problems per level")
     ap.add_argument("--samples", type=int, default=4, help="samples per problem")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--out", default="runs/bench/calibrate_levels.json")
     args = ap.parse_args()
 
     tokenizer = models.load_tokenizer(args.model)

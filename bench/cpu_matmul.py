@@ -8,8 +8,6 @@ whether greedy decoding picks the same tokens. Runs alternate (plain, rows-first
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -19,6 +17,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
 
 import cpu  # noqa: E402
 import models  # noqa: E402
@@ -64,13 +64,11 @@ def decode_ms(model, tokenizer, texts: list[str], steps: int) -> tuple[float, li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=models.EMBEDDED)
+    ap = common.parser(__doc__, "runs/bench/cpu_matmul.json")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 32, 64, 256])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 32, 64])
     ap.add_argument("--steps", type=int, default=24, help="decoding steps timed per call")
-    ap.add_argument("--out", default="runs/bench/cpu_matmul.json")
     args = ap.parse_args()
     cpu.speed_up()  # as lanpo.py does on CPU
     torch.manual_seed(0)
@@ -101,8 +99,7 @@ def main() -> None:
         result["same_greedy_tokens"][str(batch)] = tokens[0] == tokens[1]
         print(f"  batch {batch:3d}: {a:7.1f} {b:7.1f}  {a / b:5.2f}x  same greedy tokens: {tokens[0] == tokens[1]}",
               flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    common.save_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -33,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import common  # noqa: E402
 import gpu_engines  # noqa: E402
-from lanpo_overhead import copy_bandwidth_gb_s  # noqa: E402
 
 import cpu  # noqa: E402
 import models  # noqa: E402
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="runs/bench/decode_overhead.json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    bandwidth = copy_bandwidth_gb_s(str(device))
+    bandwidth = common.copy_bandwidth_gb_s(str(device))
     plain, tokenizer = load(args.shapes, device, lora=False)
     adapted = load(args.shapes, device, lora=True)[0] if any(s.startswith("lora") for s in args.setups) else None
     gb = weight_gb(plain)
@@ -155,8 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if "ratio" in row else "-"
             print(f"| {s} | {b} | {ms:.1f} | {row['tokens_per_s']:.0f} | {row['of_limit']:.0%} | {ratio} | "
                   f"{result['compile_s'][f'{s}/{b}']:.0f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    common.save_json(result, args.out, 1)
     return result
 
 

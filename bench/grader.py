@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
 import math_grader  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "math500.jsonl"
@@ -179,8 +181,7 @@ def main() -> None:
     b = results["batch"]
     print(f"{b['checks']} symbolic checks: one by one {b['sequential_s']:.2f} s, grade_batch on {b['processes']} "
           f"processes {b['batch_s']:.2f} s (all right: {b['all_equal']})")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    common.save_json(results, args.out)
 
 
 if __name__ == "__main__":

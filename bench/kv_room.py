@@ -16,8 +16,6 @@ ratio with a 95 % bootstrap interval, and whether the completions were the same 
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,8 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
 import cpu  # noqa: E402
 import data  # noqa: E402
 import models  # noqa: E402
@@ -37,15 +37,13 @@ from reflect import reflection_prompt  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=models.EMBEDDED)
+    ap = common.parser(__doc__, "runs/bench/kv_room.json")
     ap.add_argument("--problems", type=int, default=4, help="B of the groups set")
     ap.add_argument("--group-size", type=int, default=4, help="G of the groups set")
     ap.add_argument("--greedy-rows", type=int, default=2, help="rows of the long greedy set")
     ap.add_argument("--attempt-tokens", type=int, default=128, help="an earlier attempt shown in a prompt")
     ap.add_argument("--new-tokens", type=int, default=32, help="sampled tokens (the greedy rows: 1.5x)")
     ap.add_argument("--passes", type=int, default=5)
-    ap.add_argument("--out", default="runs/bench/kv_room.json")
     args = ap.parse_args()
 
     tokenizer = models.load_tokenizer(args.model)
@@ -95,8 +93,7 @@ def main() -> None:
               f"{np.median(seconds['concatenated']):.2f} | {ratio:.2f} [{low:.2f}, {high:.2f}] | {same} |", flush=True)
         if not same:
             raise SystemExit(f"{name}: the two caches sampled different completions")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    common.save_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -39,50 +39,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import common  # noqa: E402
+
 import stats  # noqa: E402
-
-
-def _best_rate(fn, work: float, seconds: float, sync=lambda: None) -> float:
-    """work / seconds of the fastest of repeated calls of fn (at least 3, for about `seconds`), after a warm-up.
-    sync waits for the device (CUDA runs asynchronously)."""
-    import time
-
-    fn()  # warm-up
-    rates, t_end = [], time.perf_counter() + seconds
-    while time.perf_counter() < t_end or len(rates) < 3:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        rates.append(work / (time.perf_counter() - t0))
-    return max(rates)
-
-
-def copy_bandwidth_gb_s(device: str = "cpu", seconds: float = 2.0) -> float:
-    """The device's copy bandwidth (GB/s, bytes read plus written): a large tensor copied (256 MB on a CPU, 1 GB
-    on a GPU), the best of repeated copies. bench/decode_overhead.py measures its devices with it too."""
-    import torch
-
-    cuda = torch.device(device).type == "cuda"
-    n = 2**28 if cuda else 2**26
-    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
-    sync = torch.cuda.synchronize if cuda else lambda: None
-    return _best_rate(lambda: dst.copy_(src), 2 * n * 4 / 1e9, seconds, sync)
-
-
-def machine_peaks(seconds: float = 2.0) -> dict[str, float]:
-    """This machine's fp32 matmul rate (GFLOP/s, 1024 x 1024 products) and copy bandwidth (GB/s,
-    `copy_bandwidth_gb_s`), each the best of repeated timings over about `seconds`."""
-    import torch
-
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    return {"peak_gflop_s": _best_rate(lambda: a @ b, 2 * 1024**3 / 1e9, seconds),
-            "bandwidth_gb_s": copy_bandwidth_gb_s("cpu", seconds)}
-
-
-def roofline_s(gflop: float, weight_gb: float, peaks: dict[str, float]) -> float:
-    """A phase's least time: its FLOPs at the peak rate or its bytes at the bandwidth, whichever is longer."""
-    return max(gflop / peaks["peak_gflop_s"], weight_gb / peaks["bandwidth_gb_s"])
 
 
 def run(out: Path, feedback: str, args, extra: list[str]) -> list[dict]:
@@ -115,7 +74,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/lanpo_overhead.json")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lanpo_overhead_"))
-    peaks = machine_peaks()
+    peaks = common.machine_peaks()
     grpo, lanpo = [], []
     for r in range(args.rounds):
         grpo += run(work / f"grpo-{r}", "none", args, [])
@@ -174,8 +133,8 @@ def main() -> None:
     result["machine"] = {**peaks, "peak_gflop_s": max(peaks["peak_gflop_s"], result["peak_gflop_s"])}
     result["weight_gb"] = {arm: {p: float(np.mean(timed(rs, f"work/{p}_weight_gb"))) for p in phases}
                            for arm, rs in arms}
-    result["roofline_s"] = {arm: {p: roofline_s(result["work_gflop"][arm][p] - result["padding_gflop"][arm][p],
-                                                result["weight_gb"][arm][p], result["machine"]) for p in phases}
+    result["roofline_s"] = {arm: {p: common.roofline_s(result["work_gflop"][arm][p] - result["padding_gflop"][arm][p],
+                                                       result["weight_gb"][arm][p], result["machine"]) for p in phases}
                             for arm, _ in arms}
     least = {arm: sum(result["roofline_s"][arm].values()) for arm, _ in arms}
     result["ratio_floor"] = 1 + (least["lanpo"] - least["grpo"]) / result["grpo_step_s"]
@@ -227,8 +186,7 @@ def main() -> None:
           f"{result['principles_cached']:.0f} (saved ~{result['cache_saved_s_estimate']:.1f} s per step)")
     print(f"relevance: kept {result['relevance_kept']:.0f} of {result['relevance_candidates']} candidates judged; "
           f"abstraction rollouts' mean reward {result['abstract_reward']:.3f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    common.save_json(result, args.out)
 
 
 if __name__ == "__main__":

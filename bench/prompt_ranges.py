@@ -13,7 +13,6 @@ interval, and the largest log-prob difference (float rounding only).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -23,6 +22,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
 import cpu  # noqa: E402
 import data  # noqa: E402
 import forwards  # noqa: E402
@@ -34,14 +35,12 @@ from rollout import Completion, generate_completions, pack  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=models.EMBEDDED)
+    ap = common.parser(__doc__, "runs/bench/prompt_ranges.json")
     ap.add_argument("--problems", type=int, default=2, help="problems in the micro-batch (4 rows each)")
     ap.add_argument("--attempt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--most", type=int, default=4, help="--update-chunks")
     ap.add_argument("--repetitions", type=int, default=6)
-    ap.add_argument("--out", default="runs/bench/prompt_ranges.json")
     args = ap.parse_args()
 
     tokenizer = models.load_tokenizer(args.model)

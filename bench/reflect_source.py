@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
 import config  # noqa: E402
 import cpu  # noqa: E402
 import data  # noqa: E402
@@ -114,8 +116,7 @@ def main() -> None:
                 line.append(f"{key} {stats.fmt(*r[key])} (n={r[f'{key}_problems']})")
         print("; ".join(line))
     print(f"reward scratch - any {stats.fmt_diff(diff)} (paired, p {diff['p']:.3f})")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    common.save_json(result, args.out, 1)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ problem's part encoded once (share_prefix, what --share-prefill does in training
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,6 +17,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
 import abstract  # noqa: E402
 import models  # noqa: E402
 import prompts  # noqa: E402
@@ -27,13 +27,11 @@ from reflect import shorten  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.parser(__doc__, "runs/bench/relevance_text.json")
     ap.add_argument("--pool", required=True, help="a pool.jsonl saved in a run's checkpoint")
-    ap.add_argument("--model", default=models.EMBEDDED)
     ap.add_argument("--candidates", type=int, default=3, help="K similar problems per problem")
     ap.add_argument("--attempt-tokens", type=int, default=160, help="budget of the shown solution")
     ap.add_argument("--gammas", type=float, nargs="+", default=[0.5, 0.9])
-    ap.add_argument("--out", default="runs/bench/relevance_text.json")
     args = ap.parse_args()
 
     pool = ExperiencePool()
@@ -84,8 +82,7 @@ def main() -> None:
     print(f"experience pairs with each problem's part encoded once: {result['shared']['ms_per_pair']:.0f} ms per pair "
           f"({result['shared']['ms_per_pair'] / result['experience']['ms_per_pair']:.2f}x the plain forward), "
           f"scores within {result['shared']['max_score_difference']:.1e}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    common.save_json(result, args.out)
 
 
 if __name__ == "__main__":

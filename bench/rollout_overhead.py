@@ -21,7 +21,6 @@ up to and including EOS), the ratio of the medians, and its 95 % bootstrap inter
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
 import cpu  # noqa: E402
 import data  # noqa: E402
 import models  # noqa: E402
@@ -41,8 +42,7 @@ from rollout import generate_completions  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=models.EMBEDDED)
+    ap = common.parser(__doc__, "runs/bench/rollout_overhead.json")
     ap.add_argument("--prompts", type=int, default=32, help="prompts per generate call in every set")
     ap.add_argument("--group-size", type=int, default=4, help="G of the groups set")
     ap.add_argument("--reflect-group-size", type=int, default=8, help="G of the reflection set")
@@ -53,7 +53,6 @@ def main() -> None:
                     choices=["distinct", "groups", "reflection"], help="prompt sets to time")
     ap.add_argument("--rows-first", action=argparse.BooleanOptionalAction, default=True,
                     help="ours with lanpo's rows-first linear layers (on CPU, as lanpo.py runs by default)")
-    ap.add_argument("--out", default="runs/bench/rollout_overhead.json")
     args = ap.parse_args()
 
     tokenizer = models.load_tokenizer(args.model)
@@ -132,8 +131,7 @@ def main() -> None:
     result["around_generate_s"], result["generate_s"] = around_s, generate_s
     print(f"around generate (distinct set, generate replayed): {1000 * around_s:.1f} ms per call, "
           f"{100 * around_s / generate_s:.2f} % of one generate call ({generate_s:.1f} s)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    common.save_json(result, args.out)
 
 
 if __name__ == "__main__":

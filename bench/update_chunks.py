@@ -11,7 +11,6 @@ bootstrap intervals, and for the update also paired by step (both arms sample th
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import common  # noqa: E402
 from lanpo_overhead import run  # noqa: E402
 
 import stats  # noqa: E402
@@ -74,8 +74,7 @@ def main() -> None:
           f"{p['ratio']:.2f} [{p['ratio_95'][0]:.2f}, {p['ratio_95'][1]:.2f}]")
     print(f"  padding share of the update's FLOPs: {result['padding_share']['1']:.2f} -> "
           f"{result['padding_share'][str(args.chunks)]:.2f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    common.save_json(result, args.out)
 
 
 if __name__ == "__main__":

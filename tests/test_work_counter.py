@@ -105,10 +105,10 @@ def test_every_phase_names_a_function_that_exists():
 
 
 def test_the_roofline_takes_the_slower_of_compute_and_bytes():
-    import lanpo_overhead
+    import common
 
     peaks = {"peak_gflop_s": 100.0, "bandwidth_gb_s": 10.0}
-    assert lanpo_overhead.roofline_s(50.0, 1.0, peaks) == pytest.approx(0.5)   # compute-bound: 50 GFLOP at 100/s
-    assert lanpo_overhead.roofline_s(10.0, 2.0, peaks) == pytest.approx(0.2)   # bytes-bound: 2 GB at 10 GB/s
-    measured = lanpo_overhead.machine_peaks(seconds=0.2)
+    assert common.roofline_s(50.0, 1.0, peaks) == pytest.approx(0.5)   # compute-bound: 50 GFLOP at 100/s
+    assert common.roofline_s(10.0, 2.0, peaks) == pytest.approx(0.2)   # bytes-bound: 2 GB at 10 GB/s
+    measured = common.machine_peaks(seconds=0.2)
     assert measured["peak_gflop_s"] > 1 and measured["bandwidth_gb_s"] > 0.5  # a real machine's rates, positive
