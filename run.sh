@@ -52,7 +52,7 @@ recipe=default  # `./run.sh --flag ...` is the default run with those flags
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then recipe=$1; shift; fi
 case "$recipe" in
   default)  # embedded SmolLM2-135M, built-in arithmetic, CPU, ~6 minutes (bf16-mixed where native). lr 2e-5: the Config default (2e-6,
-    # a value for 7B models) barely moves 135M in ten steps; at 2e-5 the held-out gain is clear (bench/learning.py)
+    # a value for 7B models) barely moves 135M in ten steps
     setup_cpu
     if [ -e runs/default ]; then  # keep the previous run: lanpo.py never writes over one
       prev="runs/default.$(date +%Y%m%d-%H%M%S)"
