@@ -54,26 +54,6 @@ from pool import ExperiencePool, Trial
 from rollout import Completion, generate_completions
 from update import UpdateBatch
 
-
-def drop_long_prompts(rows: list[dict], tokenizer, cfg: Config, skipped) -> list[dict]:
-    """Rows whose plain prompt fits --max-prompt-tokens; a longer one is an error naming it, or with
-    --skip-bad-rows is dropped and counted in `skipped`."""
-    kept = []
-    for row in rows:
-        text = prompts.render_prompt(tokenizer, prompts.problem_request(row["problem"]), cfg.one_shot)
-        n = len(tokenizer(text, add_special_tokens=False).input_ids)
-        if n <= cfg.max_prompt_tokens:
-            kept.append(row)
-        elif cfg.skip_bad_rows:
-            skipped["prompt_too_long"] += 1
-        else:
-            raise SystemExit(f"{cfg.dataset}: problem {row['id']!r} makes a {n}-token prompt, over "
-                             f"--max-prompt-tokens {cfg.max_prompt_tokens} (--skip-bad-rows drops such rows)")
-    if not kept:
-        raise SystemExit(f"{cfg.dataset}: no problem fits --max-prompt-tokens {cfg.max_prompt_tokens}")
-    return kept
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Steps of the algorithm
 
@@ -330,6 +310,25 @@ class Run:
     def embedding_weights(self):
         """--retriever policy embeds problems as they enter the pool: those forwards need the whole weights."""
         return self.full_weights() if self.cfg.retriever == "policy" else contextlib.nullcontext()
+
+
+def drop_long_prompts(rows: list[dict], tokenizer, cfg: Config, skipped) -> list[dict]:
+    """Rows whose plain prompt fits --max-prompt-tokens; a longer one is an error naming it, or with
+    --skip-bad-rows is dropped and counted in `skipped`."""
+    kept = []
+    for row in rows:
+        text = prompts.render_prompt(tokenizer, prompts.problem_request(row["problem"]), cfg.one_shot)
+        n = len(tokenizer(text, add_special_tokens=False).input_ids)
+        if n <= cfg.max_prompt_tokens:
+            kept.append(row)
+        elif cfg.skip_bad_rows:
+            skipped["prompt_too_long"] += 1
+        else:
+            raise SystemExit(f"{cfg.dataset}: problem {row['id']!r} makes a {n}-token prompt, over "
+                             f"--max-prompt-tokens {cfg.max_prompt_tokens} (--skip-bad-rows drops such rows)")
+    if not kept:
+        raise SystemExit(f"{cfg.dataset}: no problem fits --max-prompt-tokens {cfg.max_prompt_tokens}")
+    return kept
 
 
 def setup(cfg: Config) -> Run:
