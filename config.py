@@ -122,9 +122,11 @@ class Config:
                                 "new batch size or cache length (compiled_graphs, compile_s)", evaluation=True)
     cpu_host_memory: str = _f("keep", "on CPU, what glibc's malloc does with the memory a step frees: keep it for "
                               "the next step (faster updates; the resident size stays at its peak and can grow "
-                              "between steps), or return it (blocks of 1 MB or more mapped on their own: the "
-                              "resident size follows use; for a model near the machine's memory)",
-                              choices=["keep", "return"], evaluation=True)
+                              "between steps); return it (blocks of 1 MB or more mapped on their own: the "
+                              "resident size follows use, every such block faulted in anew; for a model near the "
+                              "machine's memory); or trim: keep it within a phase and hand what is free back after "
+                              "sampling and after the update (malloc_trim)",
+                              choices=["keep", "return", "trim"], evaluation=True)
     cpu_rows_first_matmul: bool = _f(True, "on CPU, compute fp32 linear layers of no-grad forwards on up to 64 rows "
                                      "(decoding) as W·xᵀ, which MKL runs faster than x·Wᵀ at that shape "
                                      "(cpu.RowsFirstLinear; docs/benchmarks.md): the same products, summed in "

@@ -11,10 +11,11 @@ import torch
 
 
 def speed_up(model=None, rows_first: bool = True, host_memory: str = "keep") -> bool:
-    """The process's malloc settings (host_memory: keep, `keep_freed_host_memory`, or return,
+    """The process's malloc settings (host_memory: keep or trim, `keep_freed_host_memory`; return,
     `return_freed_host_memory`), and (with a model and rows_first) its rows-first linear layers; returns
-    whether malloc took the settings (glibc only)."""
-    kept = keep_freed_host_memory() if host_memory == "keep" else return_freed_host_memory()
+    whether malloc took the settings (glibc only). Under trim the caller hands free memory back between phases
+    (`trim_freed_host_memory`)."""
+    kept = return_freed_host_memory() if host_memory == "return" else keep_freed_host_memory()
     if model is not None and rows_first:
         rows_first_linears(model)
     return kept
@@ -65,6 +66,24 @@ def return_freed_host_memory() -> bool:
     resident size can grow step by step: Qwen2.5-Coder-1.5B LoRA LANPO steps went from 10 to 16 GB resident
     between steps, 24 GB at the update's peak, over six steps (docs/evaluation.md)."""
     return _mallopt(((M_MMAP_THRESHOLD, 2**20), (M_TRIM_THRESHOLD, 2**20), (M_TOP_PAD, 0)))
+
+
+def trim_freed_host_memory() -> bool:
+    """Hand the memory malloc holds free back to the kernel now: glibc's malloc_trim(0), which releases the free
+    top of each heap and the whole free pages inside it; returns whether it could (glibc only). Under
+    --cpu-host-memory trim a run keeps freed memory within a phase (`keep_freed_host_memory`: a phase's
+    micro-batches and decoding steps reuse it without faults) and calls this between phases, so the resident
+    size between phases follows the live tensors, as under return, with one round of faults a phase instead of
+    one per block."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim(0)
+    return True
 
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's parameters, glibc's <malloc.h>

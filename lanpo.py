@@ -500,6 +500,12 @@ def sample(run: Run, rollout_prompts: list[Prompt], pending: abstract.PendingLes
     return outs[:len(rollout_prompts)]
 
 
+def release_host_memory(run: Run) -> None:
+    """--cpu-host-memory trim: what a phase freed goes back to the kernel before the next phase allocates."""
+    if run.cfg.cpu_host_memory == "trim" and run.accelerator.device.type == "cpu":
+        cpu.trim_freed_host_memory()
+
+
 def stop_after_bad_updates(bad_in_row: int, update_stats: dict, step: int, run: Run) -> int:
     """Consecutive optimizer updates skipped for a non-finite loss or gradient; too many stop the run."""
     bad_in_row = bad_in_row + int(update_stats["skipped_updates"]) if update_stats["skipped_updates"] else 0
@@ -582,6 +588,7 @@ def train(run: Run) -> ExperiencePool:
         # 2. sample G rollouts per problem
         t0 = time.perf_counter()
         completions = sample(run, rollout_prompts, pending, step)
+        release_host_memory(run)
         timings = {"time_generate": time.perf_counter() - t0}
 
         # 3. grade against the gold answers (numerical reward; feedback never changes it)
@@ -599,10 +606,11 @@ def train(run: Run) -> ExperiencePool:
         # 5. clipped policy-gradient update(s) over the whole mixed group, plus the terms switched on
         batch = update_batch(tokenizer, rollouts, mine, lessons, cfg, run.eos_ids, accelerator.num_processes)
         with rundir.oom_hint("the policy update", f"--micro-batch {max(1, cfg.micro_batch // 2)} or "
-                      "--gradient-checkpointing", run.out_dir):
+                             "--gradient-checkpointing", run.out_dir):
             update_stats = update.policy_update(run.model, run.ref_model, run.optimizer, run.scheduler,
                                                 accelerator, batch, cfg, tokenizer.pad_token_id)
         bad_in_row = stop_after_bad_updates(bad_in_row, update_stats, step, run)
+        release_host_memory(run)
 
         # 6. remember every trial of every process: the pool feeds reflection and abstraction later
         trials = distributed.gather([Trial(prob["id"], prob["problem"], p.kind, p.context, c.text, rew, step + 1,

@@ -263,6 +263,8 @@ step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(5):
     step()
+if sys.argv[2] == "trim":  # the end of a phase
+    assert cpu.trim_freed_host_memory(), "glibc's malloc_trim is missing"
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, resident_mb())
 """
 
@@ -272,15 +274,27 @@ def test_cpu_host_memory_keep_reuses_freed_memory_and_return_gives_it_back():
     """Five rounds allocate 400 MB (102,400 pages). Under --cpu-host-memory keep (keep_freed_host_memory) the
     process faults under a tenth of them back in and keeps the 80 MB a round frees resident; under return
     (return_freed_host_memory) it faults nearly every page in again and its resident size falls back to
-    where it was before the round (without either setting, 22,000-102,000 faults, measured)."""
+    where it was before the round (without either setting, 22,000-102,000 faults, measured); under trim the
+    rounds (one phase) fault as under keep, and the trim at the phase's end gives the 80 MB back."""
     faults, resident = {}, {}
-    for mode in ("keep", "return"):
+    for mode in ("keep", "return", "trim"):
         done = subprocess.run([sys.executable, "-c", FREE_AND_REALLOCATE, str(ROOT), mode], capture_output=True,
                               text=True)
         assert done.returncode == 0, done.stderr
         faults[mode], resident[mode] = int(done.stdout.split()[-2]), float(done.stdout.split()[-1])
-    assert faults["keep"] < 10_240 and faults["return"] > 90_000
+    assert faults["keep"] < 10_240 and faults["return"] > 90_000 and faults["trim"] < 10_240
     assert resident["keep"] - resident["return"] > 60  # the freed 80 MB: kept, or given back
+    assert resident["keep"] - resident["trim"] > 60
+
+
+def test_cpu_host_memory_trim_hands_memory_back_after_sampling_and_after_the_update(tiny_model_dir, tmp_path,
+                                                                                   graded_by_parity, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu, "trim_freed_host_memory", lambda: calls.append(1) or True)
+    run(tiny_model_dir, tmp_path / "keep", "--steps", "1", "--eval-every", "0")
+    assert calls == []
+    run(tiny_model_dir, tmp_path / "trim", "--steps", "2", "--eval-every", "0", "--cpu-host-memory", "trim")
+    assert len(calls) == 4
 
 
 def test_without_glibc_the_run_says_freed_memory_is_not_kept(tiny_model_dir, tmp_path, graded_by_parity, monkeypatch,
