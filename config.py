@@ -125,7 +125,8 @@ class Config:
                               "between steps); return it (blocks of 1 MB or more mapped on their own: the "
                               "resident size follows use, every such block faulted in anew; for a model near the "
                               "machine's memory); or trim: keep it within a phase and hand what is free back after "
-                              "sampling and after the update (malloc_trim)",
+                              "sampling and after the update (evaluate.py: after each benchmark and mode; "
+                              "malloc_trim)",
                               choices=["keep", "return", "trim"], evaluation=True)
     cpu_rows_first_matmul: bool = _f(True, "on CPU, compute fp32 linear layers of no-grad forwards on up to 64 rows "
                                      "(decoding) as W·xᵀ, which MKL runs faster than x·Wᵀ at that shape "

@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
                 records, summary = scoring.evaluate_rows(model, tokenizer, rows, mode, cfg, eos_ids, pool, zero_shot,
                                                          rewarder, f"{name} [{mode}]", args.samples, args.temperature)
                 summary["seconds"] = time.perf_counter() - t0
+                if args.cpu_host_memory == "trim" and not torch.cuda.is_available():
+                    cpu.trim_freed_host_memory()  # what this benchmark's sampling freed, before the next one
                 results.setdefault(name, {})[mode] = summary
                 by_mode[mode][name] = (records, summary)
                 for r in records:

@@ -627,3 +627,17 @@ def test_evaluate_rows_samples_each_mode_with_its_prompts_labels_and_settings(ti
             ROWS[1]["problem"], "The zorp adds ten.", raw=raw), cfg.one_shot)
         assert sampler.calls[0][0] == [plain[0], with_lessons]
         assert [r["lessons"] for r in records] == ["", "The zorp adds ten."] and summary["with_lessons"] == 0.5
+
+
+def test_trim_hands_memory_back_after_each_benchmark_and_mode(tiny_model_dir, tmp_path, monkeypatch):
+    import cpu
+
+    calls = []
+    monkeypatch.setattr(cpu, "trim_freed_host_memory", lambda: calls.append(1) or True)
+    a, b = _bench(tmp_path, 3, "a.jsonl"), _bench(tmp_path, 3, "b.jsonl")
+    evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", str(a), str(b), "--mode", "zero-shot", "reflect",
+                   "--max-new-tokens", "4", "--out-dir", str(tmp_path / "keep")])
+    assert calls == []
+    evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", str(a), str(b), "--mode", "zero-shot", "reflect",
+                   "--max-new-tokens", "4", "--cpu-host-memory", "trim", "--out-dir", str(tmp_path / "trim")])
+    assert len(calls) == 4
