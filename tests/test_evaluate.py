@@ -641,3 +641,21 @@ def test_trim_hands_memory_back_after_each_benchmark_and_mode(tiny_model_dir, tm
     evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", str(a), str(b), "--mode", "zero-shot", "reflect",
                    "--max-new-tokens", "4", "--cpu-host-memory", "trim", "--out-dir", str(tmp_path / "trim")])
     assert len(calls) == 4
+
+
+def test_eval_budgets_reads_every_budgets_cut_share_from_one_generation(tiny_model_dir, tmp_path):
+    """bench/eval_budgets.py: a response is cut at a budget unless it ended by itself within it (by hand), the
+    chosen budget is the smallest that cuts at most the allowed share, and the bench runs end to end."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import eval_budgets
+
+    lengths, ended = [3, 5, 8, 8], [True, True, True, False]  # the last hit the limit of 8
+    assert [eval_budgets.cut_share(lengths, ended, b) for b in (2, 3, 5, 8)] == [1.0, 0.75, 0.5, 0.25]
+    assert eval_budgets.smallest_budget({2: 1.0, 3: 0.75, 5: 0.5, 8: 0.25}, 0.5) == 5
+    assert eval_budgets.smallest_budget({2: 1.0, 8: 0.25}, 0.05) == 8  # none fits: the largest measured
+    result = eval_budgets.main(["--model", str(tiny_model_dir), "--dtype", "fp32", "--benchmarks", "synthetic:arith",
+                                "--limit", "3", "--budgets", "2", "4", "--out", str(tmp_path / "b.json")])
+    shares = result["benchmarks"]["synthetic:arith"]["cut_share"]
+    assert set(shares) == {2, 4} and shares[2] >= shares[4] and (tmp_path / "b.json").exists()
