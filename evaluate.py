@@ -257,8 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     precision, why = config.resolve_dtype(args.dtype, torch.cuda.is_available(), cpu.native_bf16(), sharded=False)
     if why:
         print(why)
-    model = models.load_policy(args.model, {"fp32": torch.float32, "fp16": torch.float16}.get(precision,
-                                                                                             torch.bfloat16))
+    model = models.load_policy(args.model, models.inference_dtype(precision))
     if torch.cuda.is_available():
         model = model.to("cuda")
     else:

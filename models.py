@@ -260,6 +260,12 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
+def inference_dtype(precision: str) -> torch.dtype:
+    """The dtype a model is loaded in for evaluation under a resolved --dtype (config.resolve_dtype): bf16 weights
+    for bf16 and bf16-mixed (greedy decoding needs no fp32 master copy), fp16, else fp32."""
+    return {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
 def load_policy(name: str, dtype: torch.dtype, gradient_checkpointing: bool = False, lora_rank: int = 0,
                 lora_alpha: int = 32, lora_targets: str = "all-linear"):
     """The trainable policy (a peft model when lora_rank > 0). A LoRA checkpoint directory loads as its

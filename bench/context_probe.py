@@ -213,9 +213,11 @@ def main(argv: list[str] | None = None) -> dict:
     models.check_available(cfg.model)
 
     t_start = time.perf_counter()
-    dtype = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, torch.float32)
+    precision, why = config.resolve_dtype(cfg.dtype, torch.cuda.is_available(), cpu.native_bf16(), sharded=False)
+    if why:
+        print(why)
     tokenizer = models.load_tokenizer(cfg.model)
-    model = models.load_policy(cfg.model, dtype).eval()
+    model = models.load_policy(cfg.model, models.inference_dtype(precision)).eval()  # as evaluate.py loads it
     cpu.speed_up(model, cfg.cpu_rows_first_matmul)
     eos_ids = models.eos_token_ids(model, tokenizer)
     torch.manual_seed(cfg.seed)

@@ -29,8 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import config  # noqa: E402
@@ -67,7 +65,8 @@ def heldout_rows(cfg: config.Config) -> list[dict]:
 def verdicts(model_dir: str, rows: list[dict], cfg: config.Config) -> list[float]:
     """Greedy verdict per held-out problem, through the code path training's eval uses."""
     tokenizer = models.load_tokenizer(model_dir)
-    model = models.load_policy(model_dir, torch.bfloat16 if cfg.dtype in ("bf16", "bf16-mixed") else torch.float32)
+    # every arm, and the base model, in the dtype the common flags name; auto: fp32, whatever the arms trained in
+    model = models.load_policy(model_dir, models.inference_dtype(cfg.dtype))
     records, _ = scoring.evaluate_rows(model, tokenizer, rows, "zero-shot", cfg, models.eos_token_ids(model, tokenizer))
     return [r["verdicts"][0] for r in records]
 
