@@ -41,10 +41,17 @@ import scoring
 import stats
 from pool import EmbeddingIndex, ExperiencePool
 
-# the settings evaluation shares with training (Config fields marked evaluation=True): flags, help and defaults
-# are training's, and every one that shapes a prompt goes through training's builders
 TRUNCATION_WARNING = 0.2  # a summary with more of its responses cut than this says so
 
+# --max-new-tokens when none is given, by benchmark name: of 48, 128, 256, 512 and 1024, the smallest past which
+# 1024 would finish at most 5 % more of the greedy responses, the larger for SmolLM2-135M and Qwen2.5-Coder-0.5B
+# (bench/eval_budgets.py; docs/evaluation.md has the table). amc23 and the AIMEs were not measured on the 0.5B: they
+# get MATH-500's 1024. Any other benchmark gets training's default.
+TOKEN_BUDGETS = {"synthetic:arith": 128, "gsm8k": 512, "math500": 1024, "amc23": 1024, "aime24": 1024, "aime25": 1024}
+
+# the settings evaluation shares with training (Config fields marked evaluation=True): flags, help and defaults
+# are training's (but --max-new-tokens's default: TOKEN_BUDGETS), and every one that shapes a prompt goes through
+# training's builders
 SHARED = tuple(f.name for f in dataclasses.fields(config.Config) if f.metadata.get("evaluation"))
 
 
@@ -112,7 +119,7 @@ def markdown_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
             for k in keys:
                 if k not in m:
                     cells.append("")
-                elif k == "problems":
+                elif k in ("problems", "max_new_tokens"):
                     cells.append(f"{int(m[k])}")
                 elif f"{k}_low" in m:
                     cells.append(stats.fmt(m[k], m[f"{k}_low"], m[f"{k}_high"]))
@@ -195,7 +202,11 @@ def drop_pool_twins(pool: ExperiencePool, benchmarks: dict[str, list[dict]], qui
 
 def main(argv: list[str] | None = None) -> dict:
     ap = config.FlagParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    config.add_flags(ap, SHARED)
+    config.add_flags(ap, [name for name in SHARED if name != "max_new_tokens"])
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help=f"longest response (cut ones score 0 and are counted); default: the benchmark's budget "
+                         f"({', '.join(f'{k} {v}' for k, v in TOKEN_BUDGETS.items())}), else "
+                         f"{config.Config.max_new_tokens}")
     ap.add_argument("--benchmarks", nargs="+", default=["gsm8k", "math500"],
                     help=f"anything --dataset takes: names {sorted(data.BENCHMARKS)}, file paths, synthetic:arith, "
                          "synthetic:rules(-menu), or a hub id (hub:<id> or owner/name)")
@@ -214,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(table)
         return {"compare": table}
 
-    cfg = config.Config(**{name: getattr(args, name) for name in SHARED})  # training's settings, its defaults
+    cfg = config.Config(**{name: getattr(args, name) for name in SHARED if name != "max_new_tokens"},
+                        max_new_tokens=args.max_new_tokens or config.Config.max_new_tokens)  # training's settings
     config.check_config(cfg)  # and its range checks
     for flag, least in (("samples", 1), ("limit", 0)):
         if getattr(args, flag) < least:
@@ -274,13 +286,15 @@ def main(argv: list[str] | None = None) -> dict:
     by_mode: dict[str, dict[str, tuple]] = {m: {} for m in args.mode}
     with open(out_dir / "problems.jsonl", "w", encoding="utf-8") as f:
         for name, rows in benchmarks.items():
+            budget = args.max_new_tokens or TOKEN_BUDGETS.get(name, config.Config.max_new_tokens)
             for mode in args.mode:
                 torch.manual_seed(args.seed)
                 t0 = time.perf_counter()
                 zero_shot = by_mode.get("zero-shot", {}).get(name, (None,))[0]  # reflect's turn 1, already run
-                records, summary = scoring.evaluate_rows(model, tokenizer, rows, mode, cfg, eos_ids, pool, zero_shot,
-                                                         rewarder, f"{name} [{mode}]", args.samples, args.temperature)
-                summary["seconds"] = time.perf_counter() - t0
+                records, summary = scoring.evaluate_rows(
+                    model, tokenizer, rows, mode, dataclasses.replace(cfg, max_new_tokens=budget), eos_ids, pool,
+                    zero_shot, rewarder, f"{name} [{mode}]", args.samples, args.temperature)
+                summary["max_new_tokens"], summary["seconds"] = float(budget), time.perf_counter() - t0
                 if args.cpu_host_memory == "trim" and not torch.cuda.is_available():
                     cpu.trim_freed_host_memory()  # what this benchmark's sampling freed, before the next one
                 results.setdefault(name, {})[mode] = summary
@@ -289,11 +303,11 @@ def main(argv: list[str] | None = None) -> dict:
                     f.write(json.dumps({"benchmark": name, "mode": mode, **r}, ensure_ascii=False) + "\n")
                 print(f"{name} [{mode}]: " + ", ".join(
                     f"{k}={stats.fmt(v, summary[k + '_low'], summary[k + '_high'])}" if k + "_low" in summary
-                    else f"{k}={int(v)}" if k == "problems" else f"{k}={v:.3f}"
+                    else f"{k}={int(v)}" if k in ("problems", "max_new_tokens") else f"{k}={v:.3f}"
                     for k, v in summary.items() if not k.endswith(("_low", "_high"))), flush=True)
                 if summary["truncated"] > TRUNCATION_WARNING:
                     print(f"{name} [{mode}]: {summary['truncated']:.0%} of the responses hit --max-new-tokens "
-                          f"{args.max_new_tokens} unfinished, and a cut response scores 0: these accuracies are a "
+                          f"{budget} unfinished, and a cut response scores 0: these accuracies are a "
                           "floor; give a larger --max-new-tokens", flush=True)
     if len(benchmarks) > 1:
         results["overall"] = {mode: overall(per, args.samples) for mode, per in by_mode.items()}

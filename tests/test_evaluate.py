@@ -1,5 +1,6 @@
 """evaluate.py, scoring.py, plot.py: metrics against hand-computed values, reflect turns, outputs, bad input."""
 
+import dataclasses
 import json
 import math
 import random
@@ -645,7 +646,8 @@ def test_trim_hands_memory_back_after_each_benchmark_and_mode(tiny_model_dir, tm
 
 def test_eval_budgets_reads_every_budgets_cut_share_from_one_generation(tiny_model_dir, tmp_path):
     """bench/eval_budgets.py: a response is cut at a budget unless it ended by itself within it (by hand), the
-    chosen budget is the smallest that cuts at most the allowed share, and the bench runs end to end."""
+    chosen budget is the smallest past which the largest would finish at most the allowed share more, and the
+    bench runs end to end."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -653,9 +655,27 @@ def test_eval_budgets_reads_every_budgets_cut_share_from_one_generation(tiny_mod
 
     lengths, ended = [3, 5, 8, 8], [True, True, True, False]  # the last hit the limit of 8
     assert [eval_budgets.cut_share(lengths, ended, b) for b in (2, 3, 5, 8)] == [1.0, 0.75, 0.5, 0.25]
-    assert eval_budgets.smallest_budget({2: 1.0, 3: 0.75, 5: 0.5, 8: 0.25}, 0.5) == 5
-    assert eval_budgets.smallest_budget({2: 1.0, 8: 0.25}, 0.05) == 8  # none fits: the largest measured
+    assert eval_budgets.smallest_budget({2: 1.0, 3: 0.75, 5: 0.5, 8: 0.25}, 0.25) == 5  # 0.5 - 0.25 <= 0.25
+    assert eval_budgets.smallest_budget({2: 1.0, 3: 0.75, 5: 0.5, 8: 0.25}, 0.5) == 3
+    assert eval_budgets.smallest_budget({2: 1.0, 4: 0.3, 8: 0.22}, 0.05) == 8
+    assert eval_budgets.smallest_budget({2: 1.0, 4: 0.22, 8: 0.22}, 0.05) == 4  # the rest never end
     result = eval_budgets.main(["--model", str(tiny_model_dir), "--dtype", "fp32", "--benchmarks", "synthetic:arith",
                                 "--limit", "3", "--budgets", "2", "4", "--out", str(tmp_path / "b.json")])
     shares = result["benchmarks"]["synthetic:arith"]["cut_share"]
     assert set(shares) == {2, 4} and shares[2] >= shares[4] and (tmp_path / "b.json").exists()
+
+
+def test_each_benchmark_gets_its_token_budget_unless_one_is_given(tiny_model_dir, tmp_path, monkeypatch):
+    """Without --max-new-tokens a benchmark named in evaluate.TOKEN_BUDGETS gets its budget and any other
+    training's default (48); the budget is in the summary. With the flag, every benchmark gets it."""
+    seen, real = [], scoring.evaluate_rows
+    monkeypatch.setattr(scoring, "evaluate_rows", lambda model, tokenizer, rows, mode, cfg, *a, **k: seen.append(
+        cfg.max_new_tokens) or real(model, tokenizer, rows, mode, dataclasses.replace(cfg, max_new_tokens=2), *a, **k))
+    bench = _bench(tmp_path, 2)
+    got = evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", "synthetic:arith", str(bench), "--limit", "2",
+                         "--out-dir", str(tmp_path / "default")])
+    assert seen == [evaluate.TOKEN_BUDGETS["synthetic:arith"], 48]
+    assert got["synthetic:arith"]["zero-shot"]["max_new_tokens"] == evaluate.TOKEN_BUDGETS["synthetic:arith"]
+    evaluate.main(["--model", str(tiny_model_dir), "--benchmarks", "synthetic:arith", str(bench), "--limit", "2",
+                   "--max-new-tokens", "5", "--out-dir", str(tmp_path / "given")])
+    assert seen[2:] == [5, 5]
