@@ -162,7 +162,7 @@ def evaluate_rows(model, tokenizer, rows: list[dict], mode: str, cfg, eos_ids: l
     if mode == "abstract":
         summary["with_lessons"] = float(len(lessons)) / len(rows)
 
-    if mode == "reflect":  # turn 2: each sample reviews its own first attempt (never told if it was right)
+    if mode == "reflect":  # turn 2: each sample reviews its own first attempt first (never told if it was right)
         second = [turn2_prompt(tokenizer, r, j, cfg) for r in records for j in range(len(r["responses"]))]
         outs2 = _sample(model, tokenizer, second, cfg, temperature, eos_ids, progress and f"{progress}, turn 2")
         turn2 = [_record(row, "", outs2[i * k:(i + 1) * k]) for i, row in enumerate(rows)]
