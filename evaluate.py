@@ -45,8 +45,8 @@ TRUNCATION_WARNING = 0.2  # a summary with more of its responses cut than this s
 
 # --max-new-tokens when none is given, by benchmark name: of 48, 128, 256, 512 and 1024, the smallest past which
 # 1024 would finish at most 5 % more of the greedy responses, the larger for SmolLM2-135M and Qwen2.5-Coder-0.5B
-# (bench/eval_budgets.py; docs/evaluation.md has the table). amc23 and the AIMEs were not measured on the 0.5B: they
-# get MATH-500's 1024. Any other benchmark gets training's default.
+# (bench/eval_budgets.py; docs/evaluation.md has the table; aime25 takes aime24's). Any other benchmark gets
+# training's default.
 TOKEN_BUDGETS = {"synthetic:arith": 128, "gsm8k": 512, "math500": 1024, "amc23": 1024, "aime24": 1024, "aime25": 1024}
 
 # the settings evaluation shares with training (Config fields marked evaluation=True): flags, help and defaults
