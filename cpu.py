@@ -75,12 +75,8 @@ def trim_freed_host_memory() -> bool:
     micro-batches and decoding steps reuse it without faults) and calls this between phases, so the resident
     size between phases follows the live tensors, as under return, with one round of faults a phase instead of
     one per block."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    if malloc_trim is None:
         return False
     malloc_trim(0)
     return True
@@ -89,14 +85,21 @@ def trim_freed_host_memory() -> bool:
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's parameters, glibc's <malloc.h>
 
 
-def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
-    """glibc's mallopt(param, value) for each setting; whether every one took (False without glibc)."""
+def _libc():
+    """The C library through ctypes, or None where it cannot be opened."""
     import ctypes
     import ctypes.util
 
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
+    """glibc's mallopt(param, value) for each setting; whether every one took (False without glibc)."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     return all([mallopt(param, value) == 1 for param, value in settings])
 
