@@ -42,6 +42,7 @@ import stats
 from pool import EmbeddingIndex, ExperiencePool
 
 TRUNCATION_WARNING = 0.2  # a summary with more of its responses cut than this says so
+WHOLE_NUMBERS = ("problems", "max_new_tokens")  # summary keys printed as integers
 
 # --max-new-tokens when none is given, by benchmark name: of 48, 128, 256, 512 and 1024, the smallest past which
 # 1024 would finish at most 5 % more of the greedy responses, the larger for SmolLM2-135M and Qwen2.5-Coder-0.5B
@@ -119,7 +120,7 @@ def markdown_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
             for k in keys:
                 if k not in m:
                     cells.append("")
-                elif k in ("problems", "max_new_tokens"):
+                elif k in WHOLE_NUMBERS:
                     cells.append(f"{int(m[k])}")
                 elif f"{k}_low" in m:
                     cells.append(stats.fmt(m[k], m[f"{k}_low"], m[f"{k}_high"]))
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f.write(json.dumps({"benchmark": name, "mode": mode, **r}, ensure_ascii=False) + "\n")
                 print(f"{name} [{mode}]: " + ", ".join(
                     f"{k}={stats.fmt(v, summary[k + '_low'], summary[k + '_high'])}" if k + "_low" in summary
-                    else f"{k}={int(v)}" if k in ("problems", "max_new_tokens") else f"{k}={v:.3f}"
+                    else f"{k}={int(v)}" if k in WHOLE_NUMBERS else f"{k}={v:.3f}"
                     for k, v in summary.items() if not k.endswith(("_low", "_high"))), flush=True)
                 if summary["truncated"] > TRUNCATION_WARNING:
                     print(f"{name} [{mode}]: {summary['truncated']:.0%} of the responses hit --max-new-tokens "
