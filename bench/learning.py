@@ -110,6 +110,12 @@ def train_and_evaluate(name: str, seed: int, common: list[str], rows: list[dict]
     return {"verdicts": verdicts(str(run_dir / "final"), rows, cfg), "train_s": train_s}
 
 
+def per_seed(difference: dict) -> str:
+    """' (seeds +0.066, -0.012)' when the difference is over seeds: with few seeds, each one is worth seeing."""
+    values = difference.get("per_seed", [])
+    return f" (seeds {', '.join(f'{v:+.3f}' for v in values)})" if len(values) > 1 else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arms", nargs="+", default=["grpo", "lanpo"], choices=list(ARMS),
@@ -163,8 +169,8 @@ def main() -> None:
         reward = stats.seed_interval(auc[name]) if over_seeds else (auc[name][0],) * 3
         summary["arms"][name] = {"accuracy": accuracy, "gain": gain, "vs_first": versus, "train_minutes": minutes,
                                  "reward_auc": reward, "reward_auc_per_seed": auc[name]}
-        vs, p = ("", "") if name == args.arms[0] else (stats.fmt_diff(versus), f"{versus['p']:.3f}")
-        lines.append(f"| {name} | {stats.fmt(*accuracy)} | {stats.fmt_diff(gain)} (p {gain['p']:.3f}) "
+        vs, p = ("", "") if name == args.arms[0] else (stats.fmt_diff(versus) + per_seed(versus), f"{versus['p']:.3f}")
+        lines.append(f"| {name} | {stats.fmt(*accuracy)} | {stats.fmt_diff(gain)}{per_seed(gain)} (p {gain['p']:.3f}) "
                      f"| {vs} | {p} | {stats.fmt(*reward)} | {minutes:.1f} |")
     png = plot.plot(curves, out / "learning.png")
     table = "\n".join(lines) + f"\n\ncurves (mean over seeds, band = min..max): {png}\n"

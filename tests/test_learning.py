@@ -79,3 +79,16 @@ def test_learning_bench_reuses_a_result_only_under_the_flags_that_made_it(tmp_pa
     path.write_text(json.dumps({"verdicts": [1.0]}))
     with pytest.raises(SystemExit, match="does not record the flags"):
         learning.cached(path, dict, flags)
+
+
+def test_learning_bench_shows_each_seeds_difference_beside_the_interval_over_seeds():
+    """Seed 0: 2 of 2 against 1 of 2 (+0.5); seed 1: 1 of 2 against 2 of 2 (-0.5): the t interval over two
+    seeds says little, each seed's value says which way each went. One seed shows no list."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import learning
+
+    import stats
+
+    two = stats.paired_seed_difference([[1, 1], [0, 1]], [[0, 1], [1, 1]])
+    assert learning.per_seed(two) == " (seeds +0.500, -0.500)"
+    assert learning.per_seed(stats.paired_difference([[1, 1]], [[0, 1]])) == ""
