@@ -47,13 +47,26 @@ ARMS = {  # name -> the flags that make it (on top of the common ones)
     "lanpo+feedback-model": ["--feedback", "both", "--feedback-model-coef", "0.1"],
     "lanpo+strip": ["--feedback", "both", "--feedback-grad", "strip"],
     "lanpo-raw": ["--feedback", "both", "--abstract-mode", "raw"],
-    "lanpo-gamma0": ["--feedback", "both", "--relevance-threshold", "0"],
+    "lanpo-gamma0": ["--feedback", "both", "--relevance-threshold", "0", "--relevance-top", "0"],  # no filter
     "lanpo-solved": ["--feedback", "both", "--abstract-from", "solved"],  # abstraction from solved problems only
+    "lanpo-solved-gamma0": ["--feedback", "both", "--abstract-from", "solved", "--relevance-threshold", "0",
+                            "--relevance-top", "0"],  # the same without the judge: every retrieved candidate
     "leak-gold": ["--feedback", "reflect", "--reflect-mode", "with-gold"],  # the labelled upper bound
     # precision: the same GRPO in fp32 and in bf16-mixed (both final models evaluated alike, in the common dtype)
     "grpo-fp32": ["--feedback", "none", "--dtype", "fp32"],
     "grpo-bf16-mixed": ["--feedback", "none", "--dtype", "bf16-mixed"],
 }
+
+
+def arm_flags(name: str, common: list[str], seed: int) -> list[str]:
+    """The lanpo.py flags of one run: the common ones, then the arm's, which win where both set a flag (an arm
+    is what it says: lanpo-gamma0 has no relevance filter whatever the common flags filter with)."""
+    return [*common, *ARMS[name], "--seed", str(seed)]
+
+
+def overridden(name: str, common: list[str]) -> list[str]:
+    """The common flags that an arm sets again (its value is the one used)."""
+    return sorted({f for f in ARMS[name] if f.startswith("--")} & {f for f in common if f.startswith("--")})
 
 
 def heldout_rows(cfg: config.Config) -> list[dict]:
@@ -102,8 +115,8 @@ def train_and_evaluate(name: str, seed: int, common: list[str], rows: list[dict]
     if run_dir.exists():
         raise SystemExit(f"{run_dir} holds an unfinished run (no verdicts.json): move it away and rerun")
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, str(ROOT / "lanpo.py"), *ARMS[name], "--seed", str(seed),
-                           "--out-dir", str(run_dir), *common], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(ROOT / "lanpo.py"), *arm_flags(name, common, seed),
+                           "--out-dir", str(run_dir)], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"arm {name} seed {seed} failed:\n{done.stderr[-3000:]}")
     train_s = time.perf_counter() - t0
@@ -132,6 +145,9 @@ def main() -> None:
     common = ["--steps", str(args.steps), "--lr", str(args.lr), "--eval-size", str(args.eval_size),
               "--eval-every", "0", "--no-final-checkpoint", "--report-to", "none", *args.flags]
 
+    for name in args.arms:
+        if overridden(name, common):
+            print(f"arm {name} sets {', '.join(overridden(name, common))} over the common flags", flush=True)
     base, final, curves = {}, {name: {} for name in args.arms}, {name: [] for name in args.arms}
     for seed in args.seeds:
         cfg = config.parse_config(common + ["--seed", str(seed)])
@@ -142,7 +158,7 @@ def main() -> None:
             run_dir = out / name / f"seed{seed}"
             final[name][seed] = cached(out / name / f"seed{seed}.json",
                                        lambda: train_and_evaluate(name, seed, common, rows, cfg, run_dir),
-                                       ARMS[name] + common + ["--seed", str(seed)])
+                                       arm_flags(name, common, seed))
             curves[name].append(plot.read_metrics(run_dir))
             print(f"{name} seed {seed}: base {sum(base[seed]) / len(rows):.3f} -> "
                   f"{sum(final[name][seed]['verdicts']) / len(rows):.3f}", flush=True)

@@ -92,3 +92,21 @@ def test_learning_bench_shows_each_seeds_difference_beside_the_interval_over_see
     two = stats.paired_seed_difference([[1, 1], [0, 1]], [[0, 1], [1, 1]])
     assert learning.per_seed(two) == " (seeds +0.500, -0.500)"
     assert learning.per_seed(stats.paired_difference([[1, 1]], [[0, 1]])) == ""
+
+
+def test_an_arms_flags_win_over_the_common_ones():
+    """lanpo-gamma0 is the arm without a relevance filter even when the common flags filter (γ 0.5, the best
+    candidate kept), and the bench says which common flags it set again; arms that share no flag with the
+    common ones run exactly those flags."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import learning
+
+    import config
+
+    common = ["--relevance-threshold", "0.5", "--relevance-top", "1", "--lr", "1e-4"]
+    cfg = config.parse_config(learning.arm_flags("lanpo-gamma0", common, 3))
+    assert (cfg.relevance_threshold, cfg.relevance_top, cfg.lr, cfg.seed, cfg.feedback) == (0.0, 0, 1e-4, 3, "both")
+    assert learning.overridden("lanpo-gamma0", common) == ["--relevance-threshold", "--relevance-top"]
+    assert learning.overridden("grpo", common) == []
+    solved = config.parse_config(learning.arm_flags("lanpo-solved-gamma0", common, 0))
+    assert (solved.abstract_from, solved.relevance_threshold, solved.relevance_top) == ("solved", 0.0, 0)
