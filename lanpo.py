@@ -395,6 +395,8 @@ def setup(cfg: Config) -> Run:
     if cfg.beta > 0 and cfg.lora_rank == 0:
         ref_dtype = torch.bfloat16 if (on_gpu or cfg.dtype == "bf16-mixed") and dtype == torch.float32 else dtype
         ref_model = models.load_policy(cfg.model, ref_dtype).eval().requires_grad_(False).to(accelerator.device)
+        if accelerator.device.type == "cpu":
+            cpu.contiguous_lm_head(ref_model)  # a frozen bf16 head is where a strided input costs most
     per_process = cfg.batch_problems // accelerator.num_processes
     optimizer, scheduler = update.make_optimizer(cfg, model)
     plugin = accelerator.state.deepspeed_plugin

@@ -244,6 +244,29 @@ def test_rows_first_linear_leaves_training_and_large_forwards_bit_for_bit(monkey
         assert torch.equal(half(few.bfloat16()), torch.nn.functional.linear(few.bfloat16(), half.weight))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_low_precision_lm_head_reads_its_input_contiguous(tiny_model_dir, dtype):
+    """logits_to_keep=1 hands the head a strided slice (the last position of each row): in bf16 speed_up (with
+    or without rows-first) makes it contiguous before the product, once however often it is called, and the
+    logits are the head's product on that copy; fp32 inputs reach the head as they come (their path kept bit
+    for bit)."""
+    import models
+
+    model = models.load_policy(str(tiny_model_dir), dtype).eval()
+    cpu.speed_up(model, rows_first=False)
+    cpu.speed_up(model, rows_first=False)
+    head = model.get_output_embeddings()
+    assert len(head._forward_pre_hooks) == 1
+    seen = []
+    head.register_forward_pre_hook(lambda module, args: seen.append(args[0]))  # runs after speed_up's hook
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        logits = model(input_ids=ids, logits_to_keep=1).logits
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    assert seen[0].shape == (2, 1, hidden.shape[-1]) and seen[0].is_contiguous() == (dtype == torch.bfloat16)
+    assert torch.equal(logits, torch.nn.functional.linear(hidden[:, -1:].contiguous(), head.weight))
+
+
 def test_rows_first_linears_sample_the_same_completions(tiny_model_dir):
     """Fixed seed: the same sampled and greedy completions with every linear layer rows-first, and each
     decoding step's log-probs within float tolerance of the plain model's."""
