@@ -28,10 +28,10 @@ def contiguous_lm_head(model) -> None:
     """Copy the LM head's input contiguous where it is strided and not fp32. `logits_to_keep` hands the head the
     last positions of each row, a slice that cannot be viewed as 2-D; with a weight that needs no gradient (a
     LoRA run's frozen base, a reference model) torch's CPU linear then runs a batched product that expands the
-    weight once per row, in bf16 materialising rows x the weight's bytes. At 8 rows SmolLM2's head took 2.0 s
-    against 18 ms for the copy and one product (+0.45 GB), Qwen2.5-Coder-1.5B's 64 s against 0.11 s (+3.7 GB),
-    both measured beside another job (`bench/lm_head_input.py`, 2026-12-07). Prefills, relevance judgements and
-    update forwards all go through the head. fp32 keeps its own path, bit for bit (no expansion there).
+    weight once per row, in bf16 materialising rows x the weight's bytes. At 8 rows SmolLM2's head took 536 ms
+    against 6 ms for the copy and one product, Qwen2.5-Coder-1.5B's 12.3 s against 42 ms (`bench/lm_head_input.py`,
+    2026-12-07). Prefills and relevance judgements (one last position a row) pay it in full; update forwards,
+    with hundreds of positions a row, little. fp32 keeps its own path, bit for bit (no expansion there).
     Registered once per head."""
     head = model.get_output_embeddings()
     if head is not None and not getattr(head, "contiguous_input", False):
