@@ -19,8 +19,8 @@ def speed_up(model=None, rows_first: bool = True, host_memory: str = "keep") -> 
     kept = return_freed_host_memory() if host_memory == "return" else keep_freed_host_memory()
     if model is not None:
         contiguous_lm_head(model)
-    if model is not None and rows_first:
-        rows_first_linears(model)
+        if rows_first:
+            rows_first_linears(model)
     return kept
 
 

@@ -270,11 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     precision, why = config.resolve_dtype(args.dtype, torch.cuda.is_available(), cpu.native_bf16(), sharded=False)
     if why:
         print(why)
-    model = models.load_policy(args.model, models.inference_dtype(precision))
-    if torch.cuda.is_available():
-        model = model.to("cuda")
-    else:
-        cpu.speed_up(model, args.cpu_rows_first_matmul, args.cpu_host_memory)
+    model = models.load_for_inference(args.model, precision, args.cpu_rows_first_matmul, args.cpu_host_memory)
     eos_ids = models.eos_token_ids(model, tokenizer)
     if pool is not None and args.retriever == "policy":  # retrieval by the policy's hidden states, as in training
         pool = ExperiencePool(args.pool_per_problem, args.pool_max_problems,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+import cpu
 import hub
 
 EMBEDDED = "smollm2-135m"
@@ -290,6 +291,16 @@ def load_policy(name: str, dtype: torch.dtype, gradient_checkpointing: bool = Fa
         targets = lora_targets if lora_targets == "all-linear" else lora_targets.split(",")
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets,
                                                  task_type="CAUSAL_LM"))
+    return model
+
+
+def load_for_inference(name: str, precision: str, rows_first: bool = True, host_memory: str = "keep"):
+    """A model as evaluation runs it: loaded in `inference_dtype(precision)`, on the GPU when there is one, else
+    on the CPU with its speed-ups (cpu.speed_up: rows-first layers, a contiguous LM head, the malloc setting)."""
+    model = load_policy(name, inference_dtype(precision))
+    if torch.cuda.is_available():
+        return model.to("cuda")
+    cpu.speed_up(model, rows_first, host_memory)
     return model
 
 

@@ -29,12 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import config  # noqa: E402
-import cpu  # noqa: E402
 import data  # noqa: E402
 import models  # noqa: E402
 import plot  # noqa: E402
@@ -82,11 +79,7 @@ def verdicts(model_dir: str, rows: list[dict], cfg: config.Config) -> list[float
     """Greedy verdict per held-out problem, through the code path training's eval uses."""
     tokenizer = models.load_tokenizer(model_dir)
     # every arm, and the base model, in the dtype the common flags name; auto: fp32, whatever the arms trained in
-    model = models.load_policy(model_dir, models.inference_dtype(cfg.dtype))
-    if torch.cuda.is_available():  # as evaluate.py places and speeds up the model
-        model = model.to("cuda")
-    else:
-        cpu.speed_up(model, cfg.cpu_rows_first_matmul, cfg.cpu_host_memory)
+    model = models.load_for_inference(model_dir, cfg.dtype, cfg.cpu_rows_first_matmul, cfg.cpu_host_memory)
     records, _ = scoring.evaluate_rows(model, tokenizer, rows, "zero-shot", cfg, models.eos_token_ids(model, tokenizer))
     return [r["verdicts"][0] for r in records]
 
@@ -153,8 +146,8 @@ def main() -> None:
               "--eval-every", "0", "--no-final-checkpoint", "--report-to", "none", *args.flags]
 
     for name in args.arms:
-        if overridden(name, common):
-            print(f"arm {name} sets {', '.join(overridden(name, common))} over the common flags", flush=True)
+        if again := overridden(name, common):
+            print(f"arm {name} sets {', '.join(again)} over the common flags", flush=True)
     base, final, curves = {}, {name: {} for name in args.arms}, {name: [] for name in args.arms}
     for seed in args.seeds:
         cfg = config.parse_config(common + ["--seed", str(seed)])
