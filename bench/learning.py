@@ -120,7 +120,10 @@ def train_and_evaluate(name: str, seed: int, common: list[str], rows: list[dict]
     if done.returncode:
         raise SystemExit(f"arm {name} seed {seed} failed:\n{done.stderr[-3000:]}")
     train_s = time.perf_counter() - t0
-    return {"verdicts": verdicts(str(run_dir / "final"), rows, cfg), "train_s": train_s}
+    # the run's metrics go into the result, so that a results folder without its run folders (bench/results/,
+    # committed) still draws the curves
+    return {"verdicts": verdicts(str(run_dir / "final"), rows, cfg), "train_s": train_s,
+            "metrics": plot.read_metrics(run_dir)}
 
 
 def per_seed(difference: dict) -> str:
@@ -159,7 +162,10 @@ def main() -> None:
             final[name][seed] = cached(out / name / f"seed{seed}.json",
                                        lambda: train_and_evaluate(name, seed, common, rows, cfg, run_dir),
                                        arm_flags(name, common, seed))
-            curves[name].append(plot.read_metrics(run_dir))
+            if "metrics" not in final[name][seed]:
+                raise SystemExit(f"{out / name}/seed{seed}.json does not hold its run's metrics: move it away "
+                                 "and rerun")
+            curves[name].append(final[name][seed]["metrics"])
             print(f"{name} seed {seed}: base {sum(base[seed]) / len(rows):.3f} -> "
                   f"{sum(final[name][seed]['verdicts']) / len(rows):.3f}", flush=True)
 

@@ -110,3 +110,36 @@ def test_an_arms_flags_win_over_the_common_ones():
     assert learning.overridden("grpo", common) == []
     solved = config.parse_config(learning.arm_flags("lanpo-solved-gamma0", common, 0))
     assert (solved.abstract_from, solved.relevance_threshold, solved.relevance_top) == ("solved", 0.0, 0)
+
+
+def test_learning_bench_reports_from_its_results_folder_alone(tmp_path, monkeypatch, capsys):
+    """bench/results/ keeps each seed's JSON, not its run folder: the bench's table and curves come from the
+    JSONs alone. Two seeds, rewards 0.25 and 0.75 then 0.5 and 1.0 (areas 0.5 and 0.75, mean 0.625); a rerun
+    computes nothing; a result that lacks its run's metrics stops the bench naming the file."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import learning
+
+    calls = []
+    rewards = {0: [0.25, 0.75], 1: [0.5, 1.0]}
+
+    def fake_run(name, seed, common, rows, cfg, run_dir):
+        calls.append((name, seed))
+        return {"verdicts": [1.0] * len(rows), "train_s": 60.0,
+                "metrics": [{"step": i + 1, "reward_mean": r} for i, r in enumerate(rewards[seed])]}
+
+    monkeypatch.setattr(learning, "train_and_evaluate", fake_run)
+    monkeypatch.setattr(learning, "verdicts", lambda model, rows, cfg: [0.0] * len(rows))
+    argv = ["learning.py", "--arms", "grpo", "--seeds", "0", "1", "--eval-size", "4", "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    learning.main()
+    first = capsys.readouterr().out
+    assert calls == [("grpo", 0), ("grpo", 1)]
+    assert "| grpo | 1.000 [1.000, 1.000] | +1.000" in first and "| 0.625 [" in first
+    assert not (tmp_path / "grpo" / "seed0").exists() and (tmp_path / "learning.png").exists()
+    learning.main()
+    assert calls == [("grpo", 0), ("grpo", 1)] and capsys.readouterr().out.endswith(first.splitlines()[-1] + "\n")
+    result = json.loads((tmp_path / "grpo/seed1.json").read_text())
+    del result["metrics"]
+    (tmp_path / "grpo/seed1.json").write_text(json.dumps(result))
+    with pytest.raises(SystemExit, match="grpo/seed1.json does not hold its run's metrics"):
+        learning.main()
