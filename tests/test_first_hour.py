@@ -377,9 +377,21 @@ def test_ablate_runs_its_arms_then_extends_then_skips_them(tmp_path, tiny_model_
     lines = ablate(2)
     assert lines[1:] == [f"  grpo: finished with these settings, skipped ({tmp_path}/grpo)",
                          f"  lanpo: finished with these settings, skipped ({tmp_path}/lanpo)"]
-    done = subprocess.run(["bash", str(ROOT / "run.sh"), "ablate", "--arms=grpo,nope", "--dry-run"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, ABLATE_DIR=str(tmp_path)))
-    assert done.returncode == 2 and done.stderr.startswith("--arms: no arm named nope (the arms: grpo lanpo ")
+
+
+def test_ablate_refuses_an_unknown_arm_before_any_set_up(tmp_path):
+    """From a copy of run.sh and the ablation table with no .venv: one line naming the arm and the arms there
+    are, exit 2, and no .venv made (nothing installed for a typo)."""
+    import shutil
+
+    shutil.copy(ROOT / "run.sh", tmp_path / "run.sh")
+    (tmp_path / "configs").mkdir()
+    shutil.copy(ROOT / "configs" / "ablations.tsv", tmp_path / "configs" / "ablations.tsv")
+    done = subprocess.run(["bash", str(tmp_path / "run.sh"), "ablate", "--arms=grpo,nope"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("--arms: no arm named nope (the arms: grpo lanpo ")
+    assert not (tmp_path / ".venv").exists()
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without GPUs")

@@ -55,7 +55,9 @@ def _metrics(out):
 def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, extra):
     """Under --abstract-ahead the checkpoint must also carry the principles made for the next step."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(_cmd(tiny_model_dir, tmp_path / "full", *extra), check=True, env=env, capture_output=True)
+    with open(tmp_path / "full.stderr", "w") as stderr:  # one thread each: the uninterrupted run alongside
+        full = subprocess.Popen(_cmd(tiny_model_dir, tmp_path / "full", *extra), env=env, stdout=subprocess.DEVNULL,
+                                stderr=stderr)
     out = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(tiny_model_dir, out, "--slow", *extra), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -68,6 +70,7 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tiny_model_dir
     assert len(_metrics(out)) < 6
     # --resume DIR alone: the model, the 6 steps, --abstract-ahead and the rest come from the run's config.json
     subprocess.run(_cmd(tiny_model_dir, out)[:3] + ["--resume", str(out)], check=True, env=env, capture_output=True)
+    assert full.wait() == 0, (tmp_path / "full.stderr").read_text()[-2000:]
     # exact equality: per-step seeding + restored optimizer/scheduler/pool/lessons, deterministic CPU kernels
     assert _metrics(out) == _metrics(tmp_path / "full")
     assert (out / "checkpoints" / "step-000006" / "pool.jsonl").read_text() == \
@@ -232,16 +235,26 @@ def test_two_runs_started_together_into_one_directory_one_trains_the_other_refus
     assert not (out / "run.lock").exists()  # released at the end of the run
 
 
+NO_CHECKPOINT = ["--save-every", "0", "--no-final-checkpoint", "--steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def whole_run_without_checkpoints(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted run the stopped ones are compared with (one for both signals)."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    subprocess.run(_cmd(tiny_model_dir, out, *NO_CHECKPOINT), check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                   capture_output=True)
+    return out
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill"])
-def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_the_same_command(tiny_model_dir, tmp_path,
-                                                                                      sig):
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_the_same_command(
+        tiny_model_dir, tmp_path, whole_run_without_checkpoints, sig):
     """No dead end: its leftovers (config, metrics lines, a stale lock after SIGKILL) are recognised as a run
     with nothing to resume and replaced; the rerun equals a run that was never interrupted."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    first = ["--save-every", "0", "--no-final-checkpoint", "--steps", "4"]
-    subprocess.run(_cmd(tiny_model_dir, tmp_path / "whole", *first), check=True, env=env, capture_output=True)
     out = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(tiny_model_dir, out, "--slow", *first), env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(tiny_model_dir, out, "--slow", *NO_CHECKPOINT), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while len(_metrics(out) if (out / "metrics.jsonl").exists() else []) < 2 and time.time() < deadline:
@@ -250,8 +263,8 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_the_same_co
     proc.wait(timeout=120)
     assert (out / "config.json").exists() and not (out / "checkpoints").exists()
     assert (out / "run.lock").exists() == (sig == signal.SIGKILL)  # Ctrl-C releases it, a kill cannot
-    again = subprocess.run(_cmd(tiny_model_dir, out, *first), env=env, capture_output=True, text=True)
+    again = subprocess.run(_cmd(tiny_model_dir, out, *NO_CHECKPOINT), env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "stopped before its first checkpoint (nothing to resume): starting it again" in again.stdout
-    assert _metrics(out) == _metrics(tmp_path / "whole")
+    assert _metrics(out) == _metrics(whole_run_without_checkpoints)
     assert "Setting accelerator to CPU" not in again.stderr  # DeepSpeed (installed here) is told, not guessing
