@@ -170,11 +170,12 @@ class PendingLessons:
 
 
 def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int,
-                    cfg) -> PendingLessons:
+                    cfg, families: dict[str, str] | None = None) -> PendingLessons:
     """Steps 1 and 2 (candidates, relevance) for each problem whose cache entry is missing or older than
     --abstract-refresh steps; cache hits are served as they are. What is left to generate is in `requests`.
     cfg (config.Config) gives K (--abstract-candidates), gamma (--relevance-threshold), --relevance-top,
-    --relevance-question, --abstract-mode, --attempt-tokens, --relevance-text and --share-prefill."""
+    --relevance-question, --relevance-judge, --abstract-mode, --attempt-tokens, --relevance-text and
+    --share-prefill. `families` (problem id -> family) scores the candidates under --relevance-judge family."""
     gamma, mode = cfg.relevance_threshold, cfg.abstract_mode
     stats = AbstractionStats()
     lessons: dict[str, str] = {}
@@ -207,9 +208,12 @@ def prepare_lessons(model, tokenizer, pool: ExperiencePool, problems: list[dict]
     t0 = time.perf_counter()
     kept: list[list[Trial]] = [[] for _ in todo]
     if (gamma > 0 or cfg.relevance_top) and pairs:
-        scores = relevance_scores(model, tokenizer, pairs, owners, share_prefix=cfg.share_prefill)
-        stats.scores = scores
         flat = [t for _, shown in todo for t in shown]
+        if cfg.relevance_judge == "family":  # the oracle: the query's own family scores 1
+            scores = [float(families[todo[o][0]["id"]] == families[t.problem_id]) for o, t in zip(owners, flat)]
+        else:
+            scores = relevance_scores(model, tokenizer, pairs, owners, share_prefix=cfg.share_prefill)
+        stats.scores = scores
         passed: list[list[tuple[float, int, Trial]]] = [[] for _ in todo]
         for i, (owner, t, s) in enumerate(zip(owners, flat, scores)):
             if s >= gamma:
@@ -249,7 +253,7 @@ def finish_lessons(pending: PendingLessons, outs: list, cache: dict, step: int, 
 
 
 def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], cache: dict, step: int, cfg,
-                eos_ids: list[int]) -> tuple[dict[str, str], AbstractionStats]:
+                eos_ids: list[int], families: dict[str, str] | None = None) -> tuple[dict[str, str], AbstractionStats]:
     """Lessons (principles, or raw trajectories under --abstract-mode raw) for each problem that has relevant
     experience in the pool; problems without any are absent from the result. cfg is config.Config: besides
     prepare_lessons' settings, principles are generated greedily up to --abstract-max-tokens, --gen-batch
@@ -263,7 +267,7 @@ def lessons_for(model, tokenizer, pool: ExperiencePool, problems: list[dict], ca
     `cache` maps problem id -> {"step", "lessons"} and is updated in place; an entry (also "all
     candidates judged irrelevant") is reused for --abstract-refresh steps, then rebuilt (the pool has grown
     and the policy has changed)."""
-    pending = prepare_lessons(model, tokenizer, pool, problems, cache, step, cfg)
+    pending = prepare_lessons(model, tokenizer, pool, problems, cache, step, cfg, families)
     t0 = time.perf_counter()
     outs = []
     if pending.requests:

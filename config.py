@@ -211,6 +211,11 @@ class Config:
                             "gamma (0 = every one): a rank rule for a judge that ranks well but scores every pair "
                             "near 0.5; the judge scores candidates whenever N > 0, also at gamma 0",
                             evaluation=True)
+    relevance_judge: str = _f("policy", "who scores the relevance of a retrieved candidate: policy (its P(Yes) to "
+                              "--relevance-question, the method) or family (an oracle for data with families, "
+                              "synthetic:rules(-menu): 1 for a candidate of the query's family, else 0; a control "
+                              "that makes the judge perfect to test the rest of the channel; training only)",
+                              choices=["policy", "family"])
     abstract_refresh: int = _f(4, "reuse a problem's principles for this many steps before distilling anew")
     abstract_max_tokens: int = _f(64, "longest principles text", evaluation=True)
     abstract_ahead: bool = _f(False, "distil the next step's principles inside this step's sampling call (one "
@@ -344,6 +349,12 @@ def check_config(cfg: Config) -> None:
         raise SystemExit(f"--feedback-ratio must be in [0, 1], got {cfg.feedback_ratio}")
     if not 0.0 <= cfg.relevance_threshold <= 1.0:
         raise SystemExit(f"--relevance-threshold must be in [0, 1], got {cfg.relevance_threshold}")
+    if cfg.relevance_judge == "family" and not cfg.dataset.startswith("synthetic:rules"):
+        raise SystemExit(f"--relevance-judge family needs data with families (synthetic:rules, synthetic:rules-menu), "
+                         f"not --dataset {cfg.dataset}")
+    if cfg.relevance_judge == "family" and cfg.relevance_threshold == 0 and not cfg.relevance_top:
+        raise SystemExit("--relevance-judge family at --relevance-threshold 0 keeps every candidate: the oracle would "
+                         "decide nothing; give a threshold in (0, 1] or --relevance-top N")
     if cfg.relevance_top < 0:
         raise SystemExit(f"--relevance-top must be >= 0 (0 keeps every candidate at or above gamma), got "
                          f"{cfg.relevance_top}")

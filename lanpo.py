@@ -464,7 +464,7 @@ def lessons_for_step(run: Run, problems: list[dict], step: int) -> tuple[dict[st
         return served, abstract.AbstractionStats(cached=len(served), cached_empty=empty)
     with run.full_weights():  # processes make different numbers of forwards
         lessons, stats = abstract.lessons_for(run.policy, run.tokenizer, run.pool, problems, run.lessons_cache, step,
-                                              cfg, run.eos_ids)
+                                              cfg, run.eos_ids, run.families)
     share_lessons(run, problems)
     return lessons, stats
 
@@ -480,7 +480,7 @@ def upcoming_lessons(run: Run, step: int) -> abstract.PendingLessons | None:
                                     run.accelerator)
     with run.full_weights():  # processes make different numbers of forwards
         return abstract.prepare_lessons(run.policy, run.tokenizer, run.pool, upcoming, run.lessons_cache, step + 1,
-                                        cfg)
+                                        cfg, run.families)
 
 
 def sample(run: Run, rollout_prompts: list[Prompt], pending: abstract.PendingLessons | None,

@@ -51,6 +51,9 @@ ARMS = {  # name -> the flags that make it (on top of the common ones)
     "lanpo-solved": ["--feedback", "both", "--abstract-from", "solved"],  # abstraction from solved problems only
     "lanpo-solved-gamma0": ["--feedback", "both", "--abstract-from", "solved", "--relevance-threshold", "0",
                             "--relevance-top", "0"],  # the same without the judge: every retrieved candidate
+    # the same with a perfect judge (synthetic:rules data only): the control for retrieval, principles and update
+    "lanpo-solved-oracle": ["--feedback", "both", "--abstract-from", "solved", "--relevance-judge", "family",
+                            "--relevance-threshold", "0.5"],
     "leak-gold": ["--feedback", "reflect", "--reflect-mode", "with-gold"],  # the labelled upper bound
     # precision: the same GRPO in fp32 and in bf16-mixed (both final models evaluated alike, in the common dtype)
     "grpo-fp32": ["--feedback", "none", "--dtype", "fp32"],

@@ -821,6 +821,49 @@ def test_a_rules_run_measures_the_judge_against_the_families(tiny_model_dir, tmp
     assert "relevance: " in out and "reflect: " in out and "abstract: " in out
 
 
+def test_the_family_judge_keeps_exactly_the_querys_family_without_a_forward(tiny):
+    """--relevance-judge family, the oracle control: each candidate scores 1 if it is of the query's family, else
+    0, and gamma keeps exactly those; no model forward is made (model None). Retrieval alone shows other
+    families (names share words), so the test can fail."""
+    _, tokenizer = tiny
+    family = {"q1": "zorp", "q2": "grand zorp", "z1": "zorp", "z2": "zorp", "g1": "grand zorp", "g2": "grand zorp"}
+    text = {i: f"What is the {f} of {n} and {n + 1}?" for n, (i, f) in enumerate(family.items(), 2)}
+    pool = ExperiencePool()
+    pool.add([trial(i, text[i], "\\boxed{1}", 1.0) for i in family if i not in ("q1", "q2")])
+    rows = [{"id": q, "problem": text[q]} for q in ("q1", "q2")]
+    cfg = config.Config(dataset="synthetic:rules", abstract_candidates=4, relevance_threshold=0.5,
+                        relevance_judge="family", abstract_mode="raw", attempt_tokens=16)
+    pending = abstract.prepare_lessons(None, tokenizer, pool, rows, {}, 1, cfg, family)
+    shown = [(p["id"], t.problem_id) for p, ts in pending.todo for t in ts]
+    assert len(shown) == 8 and any(family[a] != family[b] for a, b in shown)  # retrieval is no oracle
+    assert pending.stats.scores == [float(family[a] == family[b]) for a, b in shown]
+    kept = {p["id"]: sorted(t.problem_id for t in k) for (p, _), k in zip(pending.todo, pending.kept)}
+    assert kept == {"q1": ["z1", "z2"], "q2": ["g1", "g2"]}
+
+
+def test_the_family_judge_is_refused_where_it_cannot_judge(tmp_path):
+    """No families in the data, or gamma 0 with no --relevance-top (the oracle would keep everything): one line
+    before anything loads."""
+    for extra, said in [(["--dataset", "synthetic:arith"], "--relevance-judge family needs data with families"),
+                        (["--dataset", "synthetic:rules", "--relevance-threshold", "0"],
+                         "the oracle would decide nothing")]:
+        with pytest.raises(SystemExit, match=said):
+            config.parse_config(["--out-dir", str(tmp_path), "--relevance-judge", "family", *extra])
+
+
+def test_a_rules_run_under_the_family_judge_keeps_only_own_family_candidates(tiny_model_dir, tmp_path,
+                                                                            graded_by_parity):
+    """End to end on synthetic:rules (8 problems, each family twice): every step that judges keeps candidates of
+    the problem's own family only, all of those retrieval offered (precision and recall 1), and makes principles."""
+    records = _run(tiny_model_dir, tmp_path / "oracle", "--dataset", "synthetic:rules", "--levels", "1-2",
+                   "--synthetic-size", "16", "--batch-problems", "8", "--group-size", "2", "--micro-batch", "8",
+                   "--relevance-judge", "family", "--relevance-threshold", "0.5", "--abstract-refresh", "1")
+    judged = [r for r in records if r["relevance_candidates"]]
+    assert judged and all(r["relevance_family_share"] > 0 for r in judged)
+    assert all(r["relevance_precision"] == 1.0 and r["relevance_recall"] == 1.0 for r in judged)
+    assert sum(r["principles_made"] for r in judged) > 0
+
+
 def test_feedback_none_is_plain_grpo(tiny_model_dir, tmp_path, graded_by_parity):
     none = _run(tiny_model_dir, tmp_path / "none", "--feedback", "none")
     zero = _run(tiny_model_dir, tmp_path / "zero", "--feedback", "both", "--feedback-ratio", "0")

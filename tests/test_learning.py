@@ -110,6 +110,12 @@ def test_an_arms_flags_win_over_the_common_ones():
     assert learning.overridden("grpo", common) == []
     solved = config.parse_config(learning.arm_flags("lanpo-solved-gamma0", common, 0))
     assert (solved.abstract_from, solved.relevance_threshold, solved.relevance_top) == ("solved", 0.0, 0)
+    # the oracle arm under the rules-menu pilot's common gamma 0: its threshold wins, so a 0-scored candidate of
+    # another family is never kept (at gamma 0 config refuses the family judge)
+    oracle = config.parse_config(learning.arm_flags("lanpo-solved-oracle", ["--dataset", "synthetic:rules-menu",
+                                                                              "--relevance-threshold", "0",
+                                                                              "--relevance-top", "1"], 0))
+    assert (oracle.relevance_judge, oracle.relevance_threshold, oracle.relevance_top) == ("family", 0.5, 1)
 
 
 def test_learning_bench_reports_from_its_results_folder_alone(tmp_path, monkeypatch, capsys):
