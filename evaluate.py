@@ -48,7 +48,7 @@ WHOLE_NUMBERS = ("problems", "max_new_tokens")  # summary keys printed as intege
 # 1024 would finish at most 5 % more of the greedy responses, the larger for SmolLM2-135M and Qwen2.5-Coder-0.5B
 # (bench/eval_budgets.py; docs/evaluation.md has the table; aime25 takes aime24's). Any other benchmark gets
 # training's default.
-TOKEN_BUDGETS = {"synthetic:arith": 128, "gsm8k": 512, "math500": 1024, "amc23": 1024, "aime24": 1024, "aime25": 1024}
+TOKEN_BUDGETS = {"synthetic:arith": 128, "gsm8k": 512, "math500": 2048, "amc23": 1024, "aime24": 1024, "aime25": 1024}
 
 # the settings evaluation shares with training (Config fields marked evaluation=True): flags, help and defaults
 # are training's (but --max-new-tokens's default: TOKEN_BUDGETS), and every one that shapes a prompt goes through
