@@ -44,10 +44,10 @@ from pool import EmbeddingIndex, ExperiencePool
 TRUNCATION_WARNING = 0.2  # a summary with more of its responses cut than this says so
 WHOLE_NUMBERS = ("problems", "max_new_tokens")  # summary keys printed as integers
 
-# --max-new-tokens when none is given, by benchmark name: of 48, 128, 256, 512 and 1024, the smallest past which
-# 1024 would finish at most 5 % more of the greedy responses, the larger for SmolLM2-135M and Qwen2.5-Coder-0.5B
-# (bench/eval_budgets.py; docs/evaluation.md has the table; aime25 takes aime24's). Any other benchmark gets
-# training's default.
+# --max-new-tokens when none is given, by benchmark name: of the measured budgets (48-1024; 256-2048 for the 1.5B),
+# the smallest past which the largest would finish at most 5 % more of the greedy responses, the largest over
+# SmolLM2-135M, Qwen2.5-Coder-0.5B and Qwen2.5-Coder-1.5B (math500, amc23) (bench/eval_budgets.py; docs/evaluation.md
+# has the table; aime25 takes aime24's). Any other benchmark gets training's default.
 TOKEN_BUDGETS = {"synthetic:arith": 128, "gsm8k": 512, "math500": 2048, "amc23": 1024, "aime24": 1024, "aime25": 1024}
 
 # the settings evaluation shares with training (Config fields marked evaluation=True): flags, help and defaults
