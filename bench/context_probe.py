@@ -217,8 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     if why:
         print(why)
     tokenizer = models.load_tokenizer(cfg.model)
-    model = models.load_policy(cfg.model, models.inference_dtype(precision)).eval()  # as evaluate.py loads it
-    cpu.speed_up(model, cfg.cpu_rows_first_matmul)
+    model = models.load_for_inference(cfg.model, precision, cfg.cpu_rows_first_matmul, cfg.cpu_host_memory).eval()
     eos_ids = models.eos_token_ids(model, tokenizer)
     torch.manual_seed(cfg.seed)
     pool = make_pool(args.pool, model, tokenizer, train_rows, cfg, eos_ids, args.pool_samples)

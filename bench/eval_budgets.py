@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     precision, why = config.resolve_dtype(args.dtype, torch.cuda.is_available(), cpu.native_bf16(), sharded=False)
     tokenizer = models.load_tokenizer(args.model)
-    model = models.load_policy(args.model, torch.float32 if precision == "fp32" else torch.bfloat16)
-    cpu.speed_up(model)
+    model = models.load_for_inference(args.model, precision)  # as evaluate.py loads it
     eos = models.eos_token_ids(model, tokenizer)
     largest = max(args.budgets)
     cfg = dataclasses.replace(config.Config(), max_new_tokens=largest)
