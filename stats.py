@@ -77,6 +77,25 @@ def paired_difference(a_groups, b_groups, level: float = 0.95, resamples: int = 
     return {"diff": diff, "low": low, "high": high, "p": float(p)}
 
 
+def unpaired_difference(a: list[float], b: list[float], level: float = 0.95, resamples: int = RESAMPLES,
+                        seed: int = 0) -> dict[str, float]:
+    """mean(A) - mean(B) of two independent samples (different rollouts, not the same problems on both sides):
+    the difference, its percentile interval from resampling each side on its own, and the two-sided p-value
+    of "no difference" counted as paired_difference counts it. Holds resamples x (len(A) + len(B)) draws in
+    memory at once: meant for hundreds to thousands of scores, not a benchmark's millions."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.size == 0 or b.size == 0:
+        raise ValueError(f"an unpaired difference needs scores on both sides, got {a.size} and {b.size}")
+    rng = np.random.default_rng(seed)
+    means = (a[rng.integers(0, a.size, size=(resamples, a.size))].mean(axis=1)
+             - b[rng.integers(0, b.size, size=(resamples, b.size))].mean(axis=1))
+    tail = (1 - level) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    ties = np.mean(means == 0) / 2
+    p = min(1.0, 2 * min(np.mean(means < 0) + ties, np.mean(means > 0) + ties))
+    return {"diff": float(a.mean() - b.mean()), "low": float(low), "high": float(high), "p": float(p)}
+
+
 def t_two_sided_tail(t: float, df: int) -> float:
     """P(|T| >= t) for Student's t with df degrees of freedom: I_x(df/2, 1/2) at x = df / (df + t^2), through
     mpmath (which math-verify's sympy brings)."""

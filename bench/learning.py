@@ -5,7 +5,10 @@ accuracy (no feedback at test time) of the base model and of each final model on
 Reported per arm: accuracy and its gain over the base model, each arm minus the first arm (paired on the
 same problems), and the area under the training-reward curve (mean reward_mean over the steps), each with
 its 95 % t interval over seeds (the seeds are the independent units; stats.paired_seed_difference) and
-p-value; with one seed, bootstrap intervals over the problems instead (said in the table's header).
+p-value; with one seed, bootstrap intervals over the problems instead (said in the table's header). For each
+feedback arm, a second table: its reflection and abstraction rollouts against those from scratch in the same
+steps, pooled over seeds, and the judge's precision where the data has families (a channel that never fired
+says so).
 Per-problem verdicts are kept, so any other comparison can be made later.
 
     python bench/learning.py                          # GRPO vs LANPO, 3 seeds, 8 steps, 256 held-out (~1 h)
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 import time
@@ -135,6 +139,50 @@ def per_seed(difference: dict) -> str:
     return f" (seeds {', '.join(f'{v:+.3f}' for v in values)})" if len(values) > 1 else ""
 
 
+def channel_verdicts(metrics: list[dict], kind: str) -> tuple[list[float], list[float]]:
+    """The right (1) and wrong (0) rollouts of feedback kind `kind` ("reflect", "abstract") and those from
+    scratch, over the steps where both ran (a step's count times its accuracy is its right rollouts)."""
+    mine, scratch = [], []
+    for r in metrics:
+        if r.get(f"{kind}/count") and r.get("scratch/count"):
+            for name, into in ((kind, mine), ("scratch", scratch)):
+                count = int(r[f"{name}/count"])
+                right = round(count * r[f"{name}/accuracy"])
+                into += [1.0] * right + [0.0] * (count - right)
+    return mine, scratch
+
+
+def channel_lines(arms: list[str], common: list[str], seeds: list[int], final: dict) -> list[str]:
+    """A table of the feedback rollouts inside each feedback arm's runs against those from scratch in the same
+    steps, pooled over seeds (rollouts treated as independent), with each seed's difference and the range over
+    steps of the judge's precision where the data has families; a channel that never fired is said so."""
+    lines = ["", "feedback rollouts inside the runs against those from scratch in the same steps, pooled over seeds "
+             "(rollouts treated as independent: bootstrap over rollouts)", "",
+             "| arm | channel | right / rollouts | from scratch, same steps | difference (p) | per seed | "
+             "judge precision over steps |", "|---|---|---|---|---|---|---|"]
+    for name in arms:
+        cfg = config.parse_config(arm_flags(name, common, seeds[0]))
+        for kind, on in (("reflect", cfg.uses_reflection), ("abstract", cfg.wants_lessons)):
+            if not on or cfg.feedback_ratio == 0:
+                continue
+            by_seed = {s: channel_verdicts(final[name][s]["metrics"], kind) for s in seeds}
+            mine = [v for s in seeds for v in by_seed[s][0]]
+            scratch = [v for s in seeds for v in by_seed[s][1]]
+            precision = [r["relevance_precision"] for s in seeds for r in final[name][s]["metrics"]
+                         if kind == "abstract" and not math.isnan(r.get("relevance_precision", math.nan))]
+            judged = f"{min(precision):.2f}-{max(precision):.2f}" if precision else ""
+            if not mine:
+                lines.append(f"| {name} | {kind} | 0 / 0: never fired | | | | {judged} |")
+                continue
+            d = stats.unpaired_difference(mine, scratch)
+            seeds_d = ", ".join(f"{sum(m) / len(m) - sum(b) / len(b):+.3f}" if m else "none"
+                                for m, b in (by_seed[s] for s in seeds))
+            lines.append(f"| {name} | {kind} | {sum(mine):.0f} / {len(mine)} ({sum(mine) / len(mine):.3f}) | "
+                         f"{sum(scratch):.0f} / {len(scratch)} ({sum(scratch) / len(scratch):.3f}) | "
+                         f"{stats.fmt_diff(d)} (p {d['p']:.3f}) | {seeds_d} | {judged} |")
+    return lines if len(lines) > 5 else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arms", nargs="+", default=["grpo", "lanpo"], choices=list(ARMS),
@@ -197,6 +245,7 @@ def main() -> None:
         vs, p = ("", "") if name == args.arms[0] else (stats.fmt_diff(versus) + per_seed(versus), f"{versus['p']:.3f}")
         lines.append(f"| {name} | {stats.fmt(*accuracy)} | {stats.fmt_diff(gain)}{per_seed(gain)} (p {gain['p']:.3f}) "
                      f"| {vs} | {p} | {stats.fmt(*reward)} | {minutes:.1f} |")
+    lines += channel_lines(args.arms, common, seeds, final)
     png = plot.plot(curves, out / "learning.png")
     table = "\n".join(lines) + f"\n\ncurves (mean over seeds, band = min..max): {png}\n"
     (out / "learning.md").write_text(table)

@@ -149,3 +149,34 @@ def test_learning_bench_reports_from_its_results_folder_alone(tmp_path, monkeypa
     (tmp_path / "grpo/seed1.json").write_text(json.dumps(result))
     with pytest.raises(SystemExit, match="grpo/seed1.json does not hold its run's metrics"):
         learning.main()
+
+
+def test_learning_bench_counts_each_channels_rollouts_against_scratch_in_the_same_steps():
+    """bench/learning.py's channel table, by hand: seed 0 has abstraction in step 2 only (4 rollouts, 1 right;
+    scratch 4, 3 right) and reflection never; seed 1 has abstraction in both steps (2 of 4, then 0 of 4; scratch
+    1 of 4, 1 of 4). Step 1 of seed 0 (no abstraction) is left out; pooled 3/12 against 5/12; per seed -0.500 and
+    +0.000; judge precision 0.25 to 1.00 over the steps that have it; reflection says it never fired; GRPO has
+    no row."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import learning
+
+    def step(n, abstract, abstract_right, scratch_right, precision=None):
+        r = {"step": n, "scratch/count": 4.0, "scratch/accuracy": scratch_right / 4, "reflect/count": 0.0,
+             "abstract/count": float(abstract)}
+        if abstract:
+            r["abstract/accuracy"] = abstract_right / abstract
+        if precision is not None:
+            r["relevance_precision"] = precision
+        return r
+
+    final = {"grpo": {0: {"metrics": [step(1, 0, 0, 2)]}, 1: {"metrics": [step(1, 0, 0, 2)]}},
+             "lanpo": {0: {"metrics": [step(1, 0, 0, 4), step(2, 4, 1, 3, 0.25)]},
+                       1: {"metrics": [step(1, 4, 2, 1, float("nan")), step(2, 4, 0, 1, 1.0)]}}}
+    assert learning.channel_verdicts(final["lanpo"][0]["metrics"], "abstract") == ([1.0, 0, 0, 0], [1.0, 1, 1, 0])
+    lines = learning.channel_lines(["grpo", "lanpo"], ["--steps", "2"], [0, 1], final)
+    rows = [line for line in lines if line.startswith("| lanpo")]
+    assert not any(line.startswith("| grpo") for line in lines) and len(rows) == 2
+    assert rows[0] == "| lanpo | reflect | 0 / 0: never fired | | | |  |"  # no judge for reflection
+    assert rows[1].startswith("| lanpo | abstract | 3 / 12 (0.250) | 5 / 12 (0.417) | -0.167 [")
+    assert rows[1].endswith("| -0.500, +0.000 | 0.25-1.00 |")
+    assert learning.channel_lines(["grpo"], ["--steps", "2"], [0, 1], final) == []

@@ -172,3 +172,22 @@ def test_median_ratio_interval_is_the_2_5_and_97_5_percentiles():
     the ratio are these grid points for every seed tried (0-4), and the 3.5th or 98.5th are others."""
     assert stats.median_ratio_interval(np.linspace(1, 3, 51), [1.0]) == pytest.approx((1.72, 2.28))
     assert stats.median_ratio_interval(np.linspace(1, 3, 41), [1.0]) == pytest.approx((1.70, 2.30))
+
+
+def test_unpaired_difference_by_hand_and_by_simulation():
+    """Two independent samples: the difference of means exactly (3/4 - 1/4), an interval and p from resampling
+    each side alone, identical samples at p 1, empty sides refused; and at 40 rollouts a side the 95 % interval
+    holds the true difference (0.3 - 0.1) in 0.93 to 0.98 of simulated cases."""
+    d = stats.unpaired_difference([1, 1, 1, 0], [1, 0, 0, 0])
+    assert d["diff"] == 0.5 and d["low"] < 0.5 < d["high"] and -1 <= d["low"] and d["high"] <= 1
+    assert stats.unpaired_difference([1, 0] * 50, [0, 1] * 60)["p"] > 0.9
+    assert stats.unpaired_difference([1] * 30, [0] * 30) == {"diff": 1.0, "low": 1.0, "high": 1.0, "p": 0.0}
+    with pytest.raises(ValueError, match="scores on both sides, got 0 and 2"):
+        stats.unpaired_difference([], [1, 0])
+    rng = np.random.default_rng(5)
+    hits = 0
+    for i in range(300):
+        a, b = (rng.random(40) < 0.3).astype(float), (rng.random(40) < 0.1).astype(float)
+        d = stats.unpaired_difference(a, b, resamples=2000, seed=i)
+        hits += d["low"] <= 0.2 <= d["high"]
+    assert 0.93 <= hits / 300 <= 0.98
