@@ -5,6 +5,7 @@ import ctypes
 import dataclasses
 import json
 import math
+import os
 import platform
 import re
 import subprocess
@@ -285,6 +286,27 @@ def test_cpu_host_memory_keep_reuses_freed_memory_and_return_gives_it_back():
     assert faults["keep"] < 10_240 and faults["return"] > 90_000 and faults["trim"] < 10_240
     assert resident["keep"] - resident["return"] > 60  # the freed 80 MB: kept, or given back
     assert resident["keep"] - resident["trim"] > 60
+
+
+def test_the_mutation_bench_leaves_the_malloc_test_out_by_name_and_stops_when_the_name_is_gone(tmp_path):
+    """bench/mutation.py's pytest plugin deselects the test above (mutmut's instrumentation inflates its page
+    faults) by its node id: with a file that has the name, only the other test runs; with a file that lost it
+    (a rename), the run stops naming it, rather than running the test again unnoticed."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import mutation
+
+    (tmp_path / "mutation_unit_only.py").write_text(mutation.UNIT_ONLY % mutation.LEFT_OUT)
+    (tmp_path / "tests").mkdir()
+    name = mutation.LEFT_OUT[0].split("::")[1]
+    pytest_run = [sys.executable, "-m", "pytest", "-q", "-p", "mutation_unit_only", "tests/test_train.py"]
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    (tmp_path / "tests/test_train.py").write_text(f"def {name}():\n    assert False\n\ndef test_other():\n    pass\n")
+    done = subprocess.run(pytest_run, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and "1 passed, 1 deselected" in done.stdout, done.stdout + done.stderr
+    (tmp_path / "tests/test_train.py").write_text("def test_other():\n    pass\n")
+    done = subprocess.run(pytest_run, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode != 0 and "which the tests no longer have" in done.stdout + done.stderr
+    assert name in done.stdout + done.stderr
 
 
 def test_cpu_host_memory_trim_hands_memory_back_after_sampling_and_after_the_update(tiny_model_dir, tmp_path,
