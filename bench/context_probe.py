@@ -94,12 +94,13 @@ def shown_trials(pool: ExperiencePool, tokenizer, attempt_tokens: int) -> dict[s
 
 
 def pick_experiences(row: dict, pool: ExperiencePool, shown: dict[str, Trial], family: dict[str, str | None],
-                     k: int) -> tuple[list[Trial], list[Trial]]:
+                     k: int, solved: bool = False) -> tuple[list[Trial], list[Trial]]:
     """(relevant, irrelevant) trials for one held-out problem, as `shown`: K of its family (the retriever's top
     K when there are no families), most similar first, and for each one an unrelated problem's trial of the
-    nearest length (problem and shown response, in characters), none used twice."""
+    nearest length (problem and shown response, in characters), none used twice. solved (--abstract-from
+    solved): both drawn only from problems with a correct trial, as training retrieves then."""
     ranked = [shown[trials[0].problem_id] for _, trials in pool.similar(row["problem"], len(pool.trials),
-                                                                        row["id"], data.content_key(row))]
+                                                                        row["id"], data.content_key(row), solved)]
     own = family_of(row)
     if own is None:
         relevant, others = ranked[:k], ranked[len(ranked) // 2:]  # unrelated: the less similar half
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     first_outs = greedy(none, "context none")
     first = [o.text for o in first_outs]
     shown = shown_trials(pool, tokenizer, cfg.attempt_tokens)
-    picked = [pick_experiences(r, pool, shown, family, cfg.abstract_candidates) for r in eval_rows]
+    picked = [pick_experiences(r, pool, shown, family, cfg.abstract_candidates, cfg.abstract_from == "solved")
+              for r in eval_rows]
     relevant, irrelevant = [p[0] for p in picked], [p[1] for p in picked]
     problems = [r["problem"] for r in eval_rows]
     principles = {"principles": write_principles(model, tokenizer, problems, relevant, cfg, eos_ids),

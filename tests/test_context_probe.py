@@ -55,6 +55,28 @@ def test_relevant_trials_are_the_family_and_irrelevant_ones_match_their_length(t
             others.remove(irr.problem_id)
 
 
+def test_under_abstract_from_solved_relevant_and_irrelevant_trials_come_from_solved_problems(tiny):
+    """--abstract-from solved: as training retrieves then, only problems with a correct trial are shown, on
+    both sides; here every third training problem is solved, so the family's relevant trials are its solved
+    ones (2 of its 6), where without the flag its 3 nearest are shown, solved or not."""
+    _, tokenizer = tiny
+    train = data.synthetic_rules("train", 48, 0, [1, 2], 48)
+    held = data.synthetic_rules("test", 8, 0, [1, 2], 48)
+    pool = ExperiencePool()
+    pool.add([Trial(r["id"], r["problem"], "scratch", "", r["solution"], float(i % 3 == 0), 1)
+              for i, r in enumerate(train)])
+    solved = {r["id"] for i, r in enumerate(train) if i % 3 == 0}
+    family = {r["id"]: r["family"] for r in train + held}
+    shown = probe.shown_trials(pool, tokenizer, 160)
+    for row in held:
+        relevant, irrelevant = probe.pick_experiences(row, pool, shown, family, 3, solved=True)
+        mine = [r["id"] for r in train if r["family"] == row["family"] and r["id"] in solved]
+        assert sorted(t.problem_id for t in relevant) == sorted(mine[:3]) and len(irrelevant) == len(relevant)
+        assert {t.problem_id for t in relevant + irrelevant} <= solved
+        anyhow, _ = probe.pick_experiences(row, pool, shown, family, 3)
+        assert len(anyhow) == 3 and not {t.problem_id for t in anyhow} <= solved
+
+
 def test_the_probe_end_to_end_and_no_context_but_gold_shows_a_held_out_answer(tiny_model_dir, tmp_path, monkeypatch):
     seen = []
     real = probe.generate_completions
