@@ -64,7 +64,9 @@ class Config:
     dataset: str = _f("synthetic:arith", "synthetic:arith (built-in); synthetic:rules (built-in hidden-rule "
                       "families: a positive control where experience must help); synthetic:rules-menu (the same as "
                       "multiple choice, the values of all eight rules listed, so a guess is right one time in six "
-                      "to eight and GRPO can learn from chance successes); a benchmark name shipped in "
+                      "to eight and GRPO can learn from chance successes); synthetic:rules-choice (multiple choice "
+                      "among four listed rules, so a success shows which rule the family follows); a benchmark name "
+                      "shipped in "
                       "data/ (math_train, "
                       "gsm8k_train, math500, aime24, aime25, amc23, gsm8k, math); a .jsonl/.jsonl.gz/.json/.csv/"
                       ".parquet file; or a hub dataset")
@@ -72,7 +74,7 @@ class Config:
                        "empty = the repository's data/", evaluation=True)
     split: str = _f("train", "split of a hub dataset (and of the synthetic generators)")
     levels: str = _f("1-3", "synthetic difficulty levels, e.g. 1-3 or 1,2,5: synthetic:arith 1 (easiest) to 6, "
-                     "synthetic:rules(-menu) 1-3 (operands 2-9, 10-19, 20-49)",
+                     "synthetic:rules(-menu, -choice) 1-3 (operands 2-9, 10-19, 20-49)",
                      evaluation=True)
     train_size: int = _f(0, "keep the first N rows of a dataset file or hub split (0 = all)")
     synthetic_size: int = _f(48, "training problems a synthetic generator makes; few, so problems recur and "
@@ -213,8 +215,8 @@ class Config:
                             evaluation=True)
     relevance_judge: str = _f("policy", "who scores the relevance of a retrieved candidate: policy (its P(Yes) to "
                               "--relevance-question, the method) or family (an oracle for data with families, "
-                              "synthetic:rules(-menu): 1 for a candidate of the query's family, else 0; a control "
-                              "that makes the judge perfect to test the rest of the channel; training only)",
+                              "synthetic:rules and its variants: 1 for a candidate of the query's family, else 0; "
+                              "a control that makes the judge perfect to test the rest of the channel; training only)",
                               choices=["policy", "family"])
     abstract_refresh: int = _f(4, "reuse a problem's principles for this many steps before distilling anew")
     abstract_max_tokens: int = _f(64, "longest principles text", evaluation=True)
@@ -350,7 +352,7 @@ def check_config(cfg: Config) -> None:
     if not 0.0 <= cfg.relevance_threshold <= 1.0:
         raise SystemExit(f"--relevance-threshold must be in [0, 1], got {cfg.relevance_threshold}")
     if cfg.relevance_judge == "family" and not cfg.dataset.startswith("synthetic:rules"):
-        raise SystemExit(f"--relevance-judge family needs data with families (synthetic:rules, synthetic:rules-menu), "
+        raise SystemExit(f"--relevance-judge family needs data with families (synthetic:rules, -menu, -choice), "
                          f"not --dataset {cfg.dataset}")
     if cfg.relevance_judge == "family" and cfg.relevance_threshold == 0 and not cfg.relevance_top:
         raise SystemExit("--relevance-judge family at --relevance-threshold 0 keeps every candidate: the oracle would "

@@ -1,6 +1,7 @@
 """Problems to train and evaluate on: built-in procedural generators (`synthetic:arith`, the embedded
-default; `synthetic:rules`, hidden-rule families where experience must help, and `synthetic:rules-menu`, the
-same as multiple choice, so that chance successes teach GRPO too), the benchmark files that ship
+default; `synthetic:rules`, hidden-rule families where experience must help, and `synthetic:rules-menu` and
+`synthetic:rules-choice`, the same as multiple choice among values or among rules, so that chance successes teach
+GRPO too), the benchmark files that ship
 in the repository's data/ by name (`math500`, `aime24`, `gsm8k`, `math_train`, ...; data/README.md gives each
 one's source and licence), local .jsonl/.jsonl.gz/.json/.csv files, and parquet files or hub datasets through
 `datasets`.
@@ -137,8 +138,20 @@ def rule_families(seed: int) -> dict[str, str]:
     return dict(zip(RULE_FAMILIES, formulas))
 
 
+RULE_CHOICES = 4  # rules synthetic:rules-choice lists for a family: a guess is right about one time in four
+
+
+def rule_choices(seed: int) -> dict[str, list[str]]:
+    """Family name -> the rules synthetic:rules-choice lists for it: its own and RULE_CHOICES - 1 others, drawn
+    by the seed apart from the families' order, sorted so the list says nothing of which is the family's."""
+    rules = rule_families(seed)
+    rng = random.Random(f"rules-choices-{seed}")
+    return {family: sorted([rule, *rng.sample(sorted(set(RULE_FORMULAS) - {rule}), RULE_CHOICES - 1)])
+            for family, rule in rules.items()}
+
+
 def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_size: int = 2000, *,
-                    menu: bool = False) -> list[dict]:
+                    menu: str = "") -> list[dict]:
     """`size` hidden-rule problems ("What is the grand zorp of 7 and 3?"): a positive control for learning
     from experience, not evidence about math. Every split draws from the same families (rule_families(seed)),
     as evenly as `size` allows, so held-out problems are new members of training families: a solved member
@@ -150,19 +163,29 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
     in either order), no held-out answer is the answer of any of the first `train_size` train problems of the
     same seed (the pool a held-out problem is shown holds training problems only), and none is the worked
     example's answer. A held-out problem's answer can still appear as an operand of another problem.
-    `menu` (synthetic:rules-menu) makes each problem multiple choice: after the question, the distinct values
-    of all eight rules at its operands, in an order drawn apart from the family ("What is the zorp of 9 and 9?
-    It is one of: 36, 99, 28, 27, 80, 90."). The text still does not say which rule is the family's, but a
-    guess among the options is right one time in six to eight, so GRPO alone can learn the task from chance
-    successes; a solved member shows the rule as before. The options are other numbers any problem may show,
-    as operands are."""
+    `menu="values"` (synthetic:rules-menu) makes each problem multiple choice: after the question, the
+    distinct values of all eight rules at its operands, in an order drawn apart from the family ("What is the
+    zorp of 9 and 9? It is one of: 36, 99, 28, 27, 80, 90."). The text still does not say which rule is the
+    family's, but a guess among the options is right one time in six to eight, so GRPO alone can learn the task
+    from chance successes. The options are other numbers any problem may show, as operands are. A success
+    there is mostly a lucky pick, so the model's own solved trials do not show the rule.
+    `menu="rules"` (synthetic:rules-choice) lists candidate rules instead: the family's and RULE_CHOICES - 1
+    others, the same for every member of a family (rule_choices(seed)) and shuffled per problem ("What is the
+    zorp of 9 and 3? The zorp of a and b is given by one of these rules: a * b - 1, a + b + 10, 2 * a + b,
+    a * a + b. Apply the right one to a = 9, b = 3 and give the number."; a bare "is one of" made the model box
+    a formula, which the grader rightly refuses). A success
+    has to compute one listed rule, and the candidates' values at the operands are distinct, so a solved trial
+    shows which rule the family follows: the model's own successes carry the rule, as a worked solution does."""
     for level in levels:
         if level not in RULE_OPERANDS:
             raise SystemExit(f"--levels: synthetic:rules has levels 1-{RULES_LEVELS}, got {level}")
+    if menu not in ("", "values", "rules"):
+        raise ValueError(f"menu must be '', 'values' or 'rules', got {menu!r}")
     rules = rule_families(seed)
+    choices = rule_choices(seed)
     forbidden = {ONE_SHOT_ANSWER}
     if split != "train":
-        forbidden |= {r["answer"] for r in synthetic_rules("train", train_size, seed, levels)}  # the menu's alike
+        forbidden |= {r["answer"] for r in synthetic_rules("train", train_size, seed, levels, menu=menu)}
     rng = random.Random(f"rules-{split}-{seed}")
     menu_rng = random.Random(f"rules-menu-{split}-{seed}")  # its own draws: the menu's order says nothing
     order = rng.sample(RULE_FAMILIES, len(RULE_FAMILIES))
@@ -174,7 +197,10 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
             level = rng.choice(levels)
             a, b = rng.randint(*RULE_OPERANDS[level]), rng.randint(*RULE_OPERANDS[level])
             answer = str(RULE_FORMULAS[rules[family]](a, b))
-            if answer not in forbidden and answer not in taken[family]:
+            # a listed rule's value must name it: a wrong rule that happens to give the answer would be a success
+            # that shows no rule (only for the rules' menu, so the other variants keep their rows)
+            named = menu != "rules" or len({RULE_FORMULAS[f](a, b) for f in choices[family]}) == RULE_CHOICES
+            if answer not in forbidden and answer not in taken[family] and named:
                 break
         else:
             raise SystemExit(f"synthetic:rules cannot make {size} distinct {split} problems"
@@ -182,9 +208,13 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
                              f"{family!r} has no unused answer left; ask for fewer, or add harder levels")
         taken[family].add(answer)
         text = rng.choice(RULE_TEMPLATES).format(family=family, a=a, b=b)
-        if menu:
+        if menu == "values":
             options = sorted({rule(a, b) for rule in RULE_FORMULAS.values()})
             text += f" It is one of: {', '.join(map(str, menu_rng.sample(options, len(options))))}."
+        elif menu == "rules":
+            listed = menu_rng.sample(choices[family], RULE_CHOICES)
+            text += (f" The {family} of a and b is given by one of these rules: {', '.join(listed)}. Apply the right "
+                     f"one to a = {a}, b = {b} and give the number.")
         worked = re.sub(r"\b[ab]\b", lambda m: str({"a": a, "b": b}[m.group()]), rules[family])
         solution = f"The {family} of {a} and {b} is {worked} = {answer}. The answer is \\boxed{{{answer}}}."
         rows.append({"id": f"rules-{split}-{n:05d}", "problem": text, "answer": answer, "level": level,
@@ -193,7 +223,8 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
 
 
 SYNTHETIC = {"synthetic:arith": (synthetic_arith, ARITH_LEVELS), "synthetic:rules": (synthetic_rules, RULES_LEVELS),
-             "synthetic:rules-menu": (functools.partial(synthetic_rules, menu=True), RULES_LEVELS)}
+             "synthetic:rules-menu": (functools.partial(synthetic_rules, menu="values"), RULES_LEVELS),
+             "synthetic:rules-choice": (functools.partial(synthetic_rules, menu="rules"), RULES_LEVELS)}
 
 _SPACING = re.compile(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|\s+")
 _LAYOUT = re.compile(r"\\(?:left|right|displaystyle)(?![a-zA-Z])|[${}.,;:!?]")

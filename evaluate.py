@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{config.Config.max_new_tokens}")
     ap.add_argument("--benchmarks", nargs="+", default=["gsm8k", "math500"],
                     help=f"anything --dataset takes: names {sorted(data.BENCHMARKS)}, file paths, synthetic:arith, "
-                         "synthetic:rules(-menu), or a hub id (hub:<id> or owner/name)")
+                         "synthetic:rules(-menu, -choice), or a hub id (hub:<id> or owner/name)")
     ap.add_argument("--mode", nargs="+", default=["zero-shot"], choices=scoring.MODES, help="evaluation modes")
     ap.add_argument("--pool", default="", help="training pool.jsonl for --mode abstract (never test answers)")
     ap.add_argument("--split", default="test", help="split of hub datasets")

@@ -55,7 +55,7 @@ SETTINGS = ("model", "dtype", "seed", "dataset", "data_dir", "split", "levels", 
 
 
 def family_of(row: dict) -> str | None:
-    """A problem's family: synthetic:rules' rule name (and -menu's), synthetic:arith's operations ('+', '* +',
+    """A problem's family: synthetic:rules' rule name (and its variants'), synthetic:arith's operations ('+', '* +',
     ...), else None."""
     if "family" in row:
         return row["family"]
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.judge_only:
         if not any(family_of(r) is not None for r in eval_rows):
             raise SystemExit(f"--judge-only: {cfg.dataset} has no families to judge against (synthetic:rules and "
-                             "synthetic:rules-menu have)")
+                             "its variants have)")
         judge = judge_report(model, tokenizer, eval_rows, pool, shown_trials(pool, tokenizer, cfg.attempt_tokens),
                              family, cfg)
         print(f"{cfg.model} on {cfg.dataset}: relevance judge, {judge['candidates']} retrieved candidates "

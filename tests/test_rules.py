@@ -1,6 +1,7 @@
 """synthetic:rules, the hidden-rule task: families whose rule no problem states, held-out problems that are
 new members of training families, and the guards (no twins, no shared answers, retrieval no oracle);
-synthetic:rules-menu, the same as multiple choice (every rule's value listed after the question)."""
+synthetic:rules-menu, the same as multiple choice (every rule's value listed after the question), and
+synthetic:rules-choice, multiple choice among rules (four candidate rules listed, each with its own value)."""
 
 import re
 
@@ -23,6 +24,14 @@ def read_back(text: str) -> tuple[str, int, int]:
     m = re.fullmatch(r"(?:What is|Compute|Find) the ((?:grand )?[a-z]+) of (\d+) and (\d+)[.?]", text)
     assert m, text
     return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def read_choice(text: str) -> tuple[str, list[str], int, int]:
+    """(the question, the rules listed after it in order, a and b as the request restates them)."""
+    m = re.fullmatch(r"(.+[.?]) The (?:grand )?[a-z]+ of a and b is given by one of these rules: ([ab\d+*\-, ]+)\. "
+                     r"Apply the right one to a = (\d+), b = (\d+) and give the number\.", text)
+    assert m, text
+    return m.group(1), m.group(2).split(", "), int(m.group(3)), int(m.group(4))
 
 
 def read_menu(text: str) -> tuple[str, list[int]]:
@@ -115,8 +124,8 @@ def test_rules_menu_lists_every_rules_value_in_an_order_that_says_nothing(seed):
     in the list is spread over the places (a guess by position is right about one time in seven); answers
     follow the rule; no answer is shared between the splits or is the worked example's."""
     rules = data.rule_families(seed)
-    train = data.synthetic_rules("train", 48, seed, [1, 2], 48, menu=True)
-    test = data.synthetic_rules("test", 96, seed, [1, 2], 48, menu=True)
+    train = data.synthetic_rules("train", 48, seed, [1, 2], 48, menu="values")
+    test = data.synthetic_rules("test", 96, seed, [1, 2], 48, menu="values")
     places = []
     for r in train + test:
         question, options = read_menu(r["problem"])
@@ -136,3 +145,36 @@ def test_rules_menu_lists_every_rules_value_in_an_order_that_says_nothing(seed):
     cfg = config.parse_config(["--dataset", "synthetic:rules-menu", "--levels", "1-2", "--synthetic-size", "48",
                                "--eval-size", "96", "--seed", str(seed)])
     assert data.load_rows(cfg)[:2] == (train, test)
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_rules_choice_lists_the_familys_rule_among_others_whose_values_tell_them_apart(seed):
+    """synthetic:rules-choice: each question lists RULE_CHOICES candidate rules, the same set for every member of
+    a family, the family's among them, in an order spread over the places; at the problem's operands the
+    candidates' values are distinct, so a right answer names the rule it applied (what makes the model's own
+    successes carry the rule); answers follow the rule; no held-out answer is a training answer or the worked
+    example's; the loader reads the variant by name."""
+    rules = data.rule_families(seed)
+    train = data.synthetic_rules("train", 48, seed, [1, 2], 48, menu="rules")
+    test = data.synthetic_rules("test", 96, seed, [1, 2], 48, menu="rules")
+    listed_by_family, places = {}, []
+    for r in train + test:
+        question, listed, a2, b2 = read_choice(r["problem"])
+        family, a, b = read_back(question)
+        assert family == r["family"] and (a2, b2) == (a, b) and r["answer"] == str(FORMULAS[rules[family]](a, b))
+        assert len(listed) == len(set(listed)) == data.RULE_CHOICES and set(listed) <= set(FORMULAS)
+        assert len({FORMULAS[f](a, b) for f in listed}) == data.RULE_CHOICES  # each value names one rule
+        listed_by_family.setdefault(family, set()).add(frozenset(listed))
+        places.append(listed.index(rules[family]))
+    assert all(len(sets) == 1 and rules[f] in next(iter(sets)) for f, sets in listed_by_family.items())
+    assert sorted(listed_by_family) == sorted(data.RULE_FAMILIES)
+    # the family's rule is not the one every menu shares, nor given away by its place
+    assert len(set.intersection(*(set(next(iter(v))) for v in listed_by_family.values()))) == 0
+    assert set(places) == set(range(data.RULE_CHOICES)) and max(places.count(k) for k in range(4)) < len(places) / 2
+    assert not {r["answer"] for r in train} & {r["answer"] for r in test}
+    assert data.ONE_SHOT_ANSWER not in {r["answer"] for r in train + test}
+    cfg = config.parse_config(["--dataset", "synthetic:rules-choice", "--levels", "1-2", "--synthetic-size", "48",
+                               "--eval-size", "96", "--seed", str(seed)])
+    assert data.load_rows(cfg)[:2] == (train, test)
+    with pytest.raises(ValueError, match="menu must be '', 'values' or 'rules', got 'rule'"):
+        data.synthetic_rules("train", 4, seed, [1], 4, menu="rule")
