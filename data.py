@@ -172,10 +172,11 @@ def synthetic_rules(split: str, size: int, seed: int, levels: list[int], train_s
     `menu="rules"` (synthetic:rules-choice) lists candidate rules instead: the family's and RULE_CHOICES - 1
     others, the same for every member of a family (rule_choices(seed)) and shuffled per problem ("What is the
     zorp of 9 and 3? The zorp of a and b is given by one of these rules: a * b - 1, a + b + 10, 2 * a + b,
-    a * a + b. Apply the right one to a = 9, b = 3 and give the number."; a bare "is one of" made the model box
-    a formula, which the grader rightly refuses). A success
-    has to compute one listed rule, and the candidates' values at the operands are distinct, so a solved trial
-    shows which rule the family follows: the model's own successes carry the rule, as a worked solution does."""
+    a * a + b. Apply the right one to a = 9, b = 3 and give the number."; the request asks for the number
+    because, asked only which rule, the model boxes a formula, which the grader refuses). A success has to
+    compute one listed rule, and the candidates' values at the operands are distinct, so a solved trial shows
+    which rule the family follows: the model's own successes carry the rule, as a worked solution does. The
+    guard draws fewer operands: at levels 1-2 with 48 training problems, 104-121 held out over seeds 0-4."""
     for level in levels:
         if level not in RULE_OPERANDS:
             raise SystemExit(f"--levels: synthetic:rules has levels 1-{RULES_LEVELS}, got {level}")

@@ -170,7 +170,8 @@ def test_rules_choice_lists_the_familys_rule_among_others_whose_values_tell_them
     assert sorted(listed_by_family) == sorted(data.RULE_FAMILIES)
     # the family's rule is not the one every menu shares, nor given away by its place
     assert len(set.intersection(*(set(next(iter(v))) for v in listed_by_family.values()))) == 0
-    assert set(places) == set(range(data.RULE_CHOICES)) and max(places.count(k) for k in range(4)) < len(places) / 2
+    assert set(places) == set(range(data.RULE_CHOICES))
+    assert max(map(places.count, range(data.RULE_CHOICES))) < len(places) / 2
     assert not {r["answer"] for r in train} & {r["answer"] for r in test}
     assert data.ONE_SHOT_ANSWER not in {r["answer"] for r in train + test}
     cfg = config.parse_config(["--dataset", "synthetic:rules-choice", "--levels", "1-2", "--synthetic-size", "48",
